@@ -1,0 +1,38 @@
+# Two commands do all the set-up: `make demo` and `make test`.
+PYTHON ?= python3
+VENV   := .venv
+BIN    := $(VENV)/bin
+STAMP  := $(VENV)/.installed
+RUN_DIR ?= runs/demo-$(shell date +%Y%m%d-%H%M%S)
+
+.PHONY: setup demo test lint bench docs clean
+
+setup: $(STAMP)
+
+# torch==2.13.0 is pinned in requirements.txt, installed in the same command as the rest.
+$(STAMP): requirements.txt pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install --quiet -r requirements.txt
+	$(BIN)/pip install --quiet --no-deps --no-build-isolation -e .
+	touch $(STAMP)
+
+demo: setup
+	$(BIN)/asyncrl train configs/demo.yaml --run-dir $(RUN_DIR)
+	@echo "reward curve: $(RUN_DIR)/reward_curve.png"
+
+lint: setup
+	$(BIN)/ruff check asyncrl tests benchmarks scripts
+	$(BIN)/ruff format --check asyncrl tests benchmarks scripts
+	$(BIN)/mypy
+
+test: lint
+	$(BIN)/pytest -q
+
+bench: setup
+	$(BIN)/python benchmarks/overlap.py
+
+docs: setup
+	$(BIN)/python scripts/update_readme.py
+
+clean:
+	rm -rf $(VENV) runs .pytest_cache .mypy_cache .ruff_cache

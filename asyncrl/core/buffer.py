@@ -1,0 +1,113 @@
+"""The replay buffer: finished groups keyed by target step.
+
+`sample(t)` hands the trainer exactly the N groups of target t, ordered by ordinal, waiting
+until all of them are in. The collector admits a target only inside the window, so the buffer
+never holds more than (A + 1) * N groups; `add` enforces that bound rather than trusting it.
+
+Thread-safe through one condition variable; no other runtime. A Ray deployment wraps this
+class as it is.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from asyncrl.core.types import Group, PromptTicket
+
+
+class BufferOverflow(RuntimeError):
+    """A group arrived that the window should never have admitted."""
+
+
+class ReplayBuffer:
+    def __init__(self, num_prompts_per_step: int, max_age_steps: int) -> None:
+        self.num_prompts_per_step = num_prompts_per_step
+        self.capacity = (max_age_steps + 1) * num_prompts_per_step
+        self._groups: dict[int, Group] = {}  # ordinal -> group
+        self._cond = threading.Condition()
+
+    def __len__(self) -> int:
+        with self._cond:
+            return len(self._groups)
+
+    def add(self, group: Group) -> None:
+        with self._cond:
+            if group.ordinal in self._groups:
+                raise BufferOverflow(f"ordinal {group.ordinal} is already buffered")
+            if len(self._groups) >= self.capacity:
+                raise BufferOverflow(
+                    f"buffer full ({self.capacity} groups) when ordinal {group.ordinal} arrived"
+                )
+            self._groups[group.ordinal] = group
+            self._cond.notify_all()
+
+    def counts_by_target(self) -> dict[int, int]:
+        with self._cond:
+            counts: dict[int, int] = {}
+            for group in self._groups.values():
+                counts[group.target_step] = counts.get(group.target_step, 0) + 1
+            return dict(sorted(counts.items()))
+
+    def _ordinals(self, target_step: int) -> range:
+        n = self.num_prompts_per_step
+        return range(target_step * n, (target_step + 1) * n)
+
+    def _is_complete(self, target_step: int) -> bool:
+        return all(k in self._groups for k in self._ordinals(target_step))
+
+    def sample(
+        self,
+        target_step: int,
+        check: Callable[[], None] | None = None,
+        poll_s: float = 0.05,
+    ) -> list[Group]:
+        """Removes and returns the N groups of `target_step`, ordered by ordinal. Blocks until
+        they are all buffered; `check` is called while waiting and may raise to abort (for
+        example when the generation worker died)."""
+        with self._cond:
+            while not self._is_complete(target_step):
+                if check is not None:
+                    check()
+                self._cond.wait(timeout=poll_s)
+            groups = [self._groups.pop(k) for k in self._ordinals(target_step)]
+            self._cond.notify_all()
+            return groups
+
+    def state_dict(self) -> dict[str, Any]:
+        """The buffered groups, ordered by ordinal: JSON-able metadata plus tensors."""
+        with self._cond:
+            return {"groups": [_group_state(self._groups[k]) for k in sorted(self._groups)]}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        with self._cond:
+            self._groups = {}
+            for item in state["groups"]:
+                group = _group_from_state(item)
+                self._groups[group.ordinal] = group
+            self._cond.notify_all()
+
+
+def _group_state(group: Group) -> dict[str, Any]:
+    return {
+        "ticket": vars(group.ticket).copy(),
+        "prompt_ids": list(group.prompt_ids),
+        "completion_ids": group.completion_ids.clone(),
+        "completion_mask": group.completion_mask.clone(),
+        "behaviour_logprobs": group.behaviour_logprobs.clone(),
+        "rewards": group.rewards.clone(),
+        "version_min": group.version_min,
+        "version_max": group.version_max,
+        "generation_s": group.generation_s,
+    }
+
+
+def _group_from_state(item: dict[str, Any]) -> Group:
+    fields = dict(item)
+    fields["ticket"] = PromptTicket(**item["ticket"])
+    for key in ("completion_ids", "completion_mask", "behaviour_logprobs", "rewards"):
+        fields[key] = torch.as_tensor(item[key])
+    return Group(**fields)

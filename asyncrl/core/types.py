@@ -1,0 +1,51 @@
+"""The records that flow through the pipeline. Plain dataclasses over tensors: no IO, no
+threads, so the core can be unit-tested in milliseconds."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class PromptTicket:
+    """One prompt handed out by the stream. `ordinal` is its place in this run's stream,
+    `target_step = ordinal // N` the only step allowed to train it."""
+
+    ordinal: int
+    target_step: int
+    epoch: int
+    position: int
+    dataset_index: int
+
+
+@dataclass
+class Group:
+    """One prompt with its G generations, as the replay buffer holds it.
+
+    Tensors are padded to the longest completion in the group; `completion_mask` marks real
+    tokens (EOS included, padding after it excluded).
+    """
+
+    ticket: PromptTicket
+    prompt_ids: list[int]
+    completion_ids: torch.Tensor  # [G, T] int64
+    completion_mask: torch.Tensor  # [G, T] bool
+    behaviour_logprobs: torch.Tensor  # [G, T] float32, log-probs at the sampling temperature
+    rewards: torch.Tensor  # [G] float32
+    version_min: int
+    version_max: int
+    generation_s: float = 0.0
+
+    @property
+    def ordinal(self) -> int:
+        return self.ticket.ordinal
+
+    @property
+    def target_step(self) -> int:
+        return self.ticket.target_step
+
+    @property
+    def num_generations(self) -> int:
+        return int(self.completion_ids.shape[0])

@@ -1,0 +1,200 @@
+"""The collector: a background worker that keeps generation ahead of the trainer.
+
+    loop:
+      admit tickets from the stream while their target is inside the window  (before pulling)
+      generate their groups in one batch with the newest published weights
+      score each sample, stamp the group (ordinal, target, versions), add it to the buffer
+      if nothing is admissible: wait for the trainer to publish a new weights version
+
+Admission is checked against the newest *published* version, which the engine uses from its
+next batch on, so every group trained at step t was generated with a version >= t - A.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import threading
+import time
+from collections.abc import Callable, Sequence
+
+import torch
+from transformers import PreTrainedTokenizerBase
+
+from asyncrl.config import ConfigError
+from asyncrl.core.buffer import ReplayBuffer
+from asyncrl.core.stream import PromptStream
+from asyncrl.core.types import Group, PromptTicket
+from asyncrl.core.window import is_admissible
+from asyncrl.rollout.engine import GenerationEngine, GenerationOutput, GenerationRequest
+from asyncrl.tasks.source import Task
+
+
+class GenerationFailed(RuntimeError):
+    """The generation worker stopped with an exception; the cause is chained."""
+
+
+def noise_seed(seed: int, ordinal: int) -> int:
+    """The sampling seed of one group: a function of (run seed, ordinal) only, so a group
+    regenerated after a resume draws the same noise."""
+    digest = hashlib.sha256(f"asyncrl-noise:{seed}:{ordinal}".encode()).digest()
+    return int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)
+
+
+def encode_prompts(
+    task: Task, tokenizer: PreTrainedTokenizerBase, max_new_tokens: int, max_seq_len: int
+) -> list[list[int]]:
+    """Token ids of every example's prompt. Refuses, naming the example, a prompt with
+    characters the tokenizer cannot represent or too long for the model's context."""
+    unk = tokenizer.unk_token_id
+    encoded = []
+    for example in task.examples:
+        ids = tokenizer(example.prompt, add_special_tokens=False)["input_ids"]
+        if unk is not None and unk in ids:
+            raise ConfigError(
+                f"{example.origin}: the prompt has characters the tokenizer does not know"
+            )
+        if len(ids) + max_new_tokens > max_seq_len:
+            raise ConfigError(
+                f"{example.origin}: prompt is {len(ids)} tokens; with "
+                f"rollout.max_new_tokens={max_new_tokens} it exceeds the model's context of "
+                f"{max_seq_len} tokens"
+            )
+        encoded.append(ids)
+    return encoded
+
+
+class Scorer:
+    """Decodes completions and applies the task's reward function to each sample."""
+
+    def __init__(self, task: Task, tokenizer: PreTrainedTokenizerBase) -> None:
+        self.task = task
+        self.tokenizer = tokenizer
+
+    def __call__(self, ticket: PromptTicket, output: GenerationOutput) -> torch.Tensor:
+        answer = self.task.examples[ticket.dataset_index].answer
+        rewards = []
+        for ids, mask in zip(output.completion_ids, output.completion_mask, strict=True):
+            text = self.tokenizer.decode(ids[mask].tolist(), skip_special_tokens=True)
+            rewards.append(float(self.task.reward_fn(str(text), answer)))
+        return torch.tensor(rewards, dtype=torch.float32)
+
+
+def make_group(
+    ticket: PromptTicket,
+    prompt_ids: list[int],
+    output: GenerationOutput,
+    rewards: torch.Tensor,
+    generation_s: float,
+) -> Group:
+    return Group(
+        ticket=ticket,
+        prompt_ids=prompt_ids,
+        completion_ids=output.completion_ids,
+        completion_mask=output.completion_mask,
+        behaviour_logprobs=output.logprobs,
+        rewards=rewards,
+        version_min=output.weights_version,
+        version_max=output.weights_version,
+        generation_s=generation_s,
+    )
+
+
+class Collector:
+    """Runs generation on a background thread until `stop()`."""
+
+    def __init__(
+        self,
+        stream: PromptStream,
+        buffer: ReplayBuffer,
+        engine: GenerationEngine,
+        prompts: Sequence[list[int]],
+        scorer: Callable[[PromptTicket, GenerationOutput], torch.Tensor],
+        num_generations: int,
+        max_age_steps: int,
+        seed: int,
+        batch_groups: int,
+        on_batch: Callable[[float, float, int, list[int]], None] | None = None,
+    ) -> None:
+        self.stream = stream
+        self.buffer = buffer
+        self.engine = engine
+        self.prompts = prompts
+        self.scorer = scorer
+        self.num_generations = num_generations
+        self.max_age_steps = max_age_steps
+        self.seed = seed
+        self.batch_groups = batch_groups
+        self.on_batch = on_batch
+        self.in_flight: dict[int, PromptTicket] = {}
+        self._version = engine.weights_version
+        self._cond = threading.Condition()
+        self._stop = False
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, name="asyncrl-collector", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self, timeout_s: float = 60.0) -> None:
+        with self._cond:
+            self._stop = True
+            self._cond.notify_all()
+        if self._thread.is_alive():
+            self._thread.join(timeout_s)
+
+    def publish_version(self, version: int) -> None:
+        """Tells the collector that weights `version` were handed to the engine."""
+        with self._cond:
+            self._version = version
+            self._cond.notify_all()
+
+    def check(self) -> None:
+        """Raises `GenerationFailed` if the worker died; the trainer calls this while waiting."""
+        if self._error is not None:
+            raise GenerationFailed(f"generation worker failed: {self._error!r}") from self._error
+
+    def _admit(self) -> list[PromptTicket]:
+        """Pulls tickets while the next one's target is inside the window."""
+        with self._cond:
+            while not self._stop:
+                tickets: list[PromptTicket] = []
+                while len(tickets) < self.batch_groups and is_admissible(
+                    self.stream.peek_target(), self._version, self.max_age_steps
+                ):
+                    tickets.append(self.stream.take())
+                if tickets:
+                    self.in_flight.update((t.ordinal, t) for t in tickets)
+                    return tickets
+                self._cond.wait(timeout=0.5)
+            return []
+
+    def _run(self) -> None:
+        try:
+            while tickets := self._admit():
+                self._generate(tickets)
+        except BaseException as err:
+            self._error = err
+
+    def _generate(self, tickets: list[PromptTicket]) -> None:
+        requests = [
+            GenerationRequest(
+                prompt_ids=self.prompts[t.dataset_index],
+                num_samples=self.num_generations,
+                noise_seed=noise_seed(self.seed, t.ordinal),
+            )
+            for t in tickets
+        ]
+        start = time.perf_counter()
+        outputs = self.engine.generate(requests)
+        elapsed = time.perf_counter() - start
+        for ticket, output in zip(tickets, outputs, strict=True):
+            rewards = self.scorer(ticket, output)
+            group = make_group(
+                ticket, self.prompts[ticket.dataset_index], output, rewards, elapsed / len(tickets)
+            )
+            self.buffer.add(group)
+            with self._cond:
+                self.in_flight.pop(ticket.ordinal, None)
+        if self.on_batch is not None:
+            version = outputs[0].weights_version if outputs else -1
+            self.on_batch(start, elapsed, version, [t.ordinal for t in tickets])

@@ -1,0 +1,104 @@
+"""The user-facing surface (DESIGN.md's contract), frozen: CLI commands and options, config keys,
+metrics and events schema. Changing any of these must be deliberate: update this test, the
+README and DESIGN.md's contract together."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+
+from helpers import SMALL, read_records
+
+from asyncrl.cli import build_parser, parse_args
+from asyncrl.config import config_keys
+
+FROZEN_COMMANDS = {"train": {"config", "--run-dir", "overrides"}}
+
+FROZEN_CONFIG_KEYS = [
+    "run.seed", "run.max_num_steps", "run.deterministic", "run.torch_threads",
+    "model.preset", "model.path", "model.hidden_size", "model.num_layers", "model.num_heads",
+    "model.max_seq_len",
+    "data.task", "data.path", "data.reward_fn", "data.num_digits", "data.num_examples",
+    "rollout.num_prompts_per_step", "rollout.num_generations_per_prompt",
+    "rollout.max_new_tokens", "rollout.temperature", "rollout.max_trajectory_age_steps",
+    "rollout.backend",
+    "algo.name", "algo.lr", "algo.weight_decay", "algo.max_grad_norm", "algo.clip_eps",
+    "logging.progress", "logging.tensorboard", "logging.plot",
+]  # fmt: skip
+
+CONTRACT_METRICS = {
+    "step", "attempt", "prompt_ordinals", "dataset_indices", "reward_mean", "loss",
+    "generation_version_min", "generation_version_max", "wall_s",
+}  # fmt: skip
+
+
+def test_cli_commands_and_options_are_frozen():
+    parser = build_parser()
+    (sub,) = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+    found = {
+        name: {
+            opt for a in p._actions for opt in (a.option_strings or [a.dest]) if a.dest != "help"
+        }
+        for name, p in sub.choices.items()
+    }
+    assert found == FROZEN_COMMANDS
+
+
+def test_config_keys_are_frozen():
+    assert config_keys() == FROZEN_CONFIG_KEYS
+
+
+def test_overrides_may_stand_before_or_after_run_dir():
+    before = parse_args(["train", "c.yaml", "algo.lr=0.1", "--run-dir", "d", "run.seed=2"])
+    assert before.config == "c.yaml" and before.run_dir == "d"
+    assert before.overrides == ["algo.lr=0.1", "run.seed=2"]
+
+
+def run_cli(*args: str) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "PYTHONWARNINGS": "ignore"}
+    return subprocess.run(
+        [sys.executable, "-m", "asyncrl.cli", *args],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
+    )
+
+
+def test_train_from_the_command_line_writes_the_contract_files(tmp_path, repo_root):
+    run = tmp_path / "run"
+    done = run_cli(
+        "train", str(repo_root / "configs" / "demo.yaml"), "--run-dir", str(run),
+        *SMALL, "run.max_num_steps=3", "logging.plot=true",
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert "3 steps in" in done.stdout and "reward_mean" in done.stdout
+    records = read_records(run / "metrics.jsonl")
+    assert [r["step"] for r in records] == [0, 1, 2]
+    for record in records:
+        assert set(record) >= CONTRACT_METRICS
+    assert (run / "reward_curve.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    import matplotlib.image
+
+    assert matplotlib.image.imread(run / "reward_curve.png").shape[:2] == (374, 990)
+
+
+def test_bad_input_exits_2_with_a_message_naming_the_key(tmp_path, repo_root):
+    demo = str(repo_root / "configs" / "demo.yaml")
+    done = run_cli("train", demo, "--run-dir", str(tmp_path / "r"), "rollout.num_prompt_per_step=3")
+    assert done.returncode == 2
+    assert "did you mean rollout.num_prompts_per_step" in done.stderr
+    assert "Traceback" not in done.stderr
+    assert not (tmp_path / "r").exists()
+
+
+def test_a_run_dir_that_already_holds_a_run_is_refused(tmp_path, repo_root):
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "metrics.jsonl").write_text('{"step": 0}\n')
+    done = run_cli("train", str(repo_root / "configs" / "demo.yaml"), "--run-dir", str(run))
+    assert done.returncode == 2
+    assert "already holds a run" in done.stderr
+    assert (run / "metrics.jsonl").read_text() == '{"step": 0}\n'
