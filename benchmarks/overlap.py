@@ -1,11 +1,15 @@
 """How much of generation the async pipeline hides behind training.
 
-Runs the same shape synchronously (A=0) and asynchronously (A=1), one after the other in one
+Runs each shape synchronously (A=0) and asynchronously (A=1), one after the other in one
 process, and prints steps/s of each, their ratio R, and the ideal ratio
-I = (gen + train) / max(gen, train) from the phase times measured in the synchronous run.
+I = (gen + train) / max(gen, train) from the phase times measured in the synchronous run
+(gen: the collector's generation and scoring; train: the optimizer step and weight publish).
 R close to I means the overlap is close to its physical limit.
 
-    .venv/bin/python benchmarks/overlap.py [--steps 60] [--warmup 10]
+    .venv/bin/python benchmarks/overlap.py [--steps 60] [--warmup 10] [--repeats 3]
+
+Each figure is the median of `--repeats` alternating sync/async runs: a shared 2-core machine
+is noisy, and alternating keeps slow spells from landing on one side.
 
 Its last line reads `async/sync steps/s: R (ideal I)` for the demo's shape.
 """
@@ -23,11 +27,11 @@ from asyncrl.train.records import read_jsonl
 from asyncrl.train.trainer import train
 
 SHAPES = {
-    # name: overrides. "demo" is configs/demo.yaml's shape; "long" generates 12-token
-    # completions for 16 samples per prompt, so generation weighs more.
-    "long": [
-        "data.num_digits=12", "rollout.max_new_tokens=12", "rollout.num_prompts_per_step=16",
-        "rollout.num_generations_per_prompt=16",
+    # name: overrides. "demo" is configs/demo.yaml's shape. "gen-heavy" samples 24-token
+    # completions for a small batch, so generation weighs about as much as training.
+    "gen-heavy": [
+        "data.num_digits=24", "rollout.max_new_tokens=24", "rollout.num_prompts_per_step=4",
+        "rollout.num_generations_per_prompt=4",
     ],
     "demo": [
         "data.num_digits=5", "rollout.max_new_tokens=5", "rollout.num_prompts_per_step=16",
@@ -48,7 +52,7 @@ def measure(overrides: list[str], age: int, steps: int, warmup: int, root: Path)
             "logging.plot=false",
         ],
     )
-    run_dir = root / f"{abs(hash(tuple(overrides)))}-A{age}"
+    run_dir = root / f"A{age}"
     train(config, run_dir)
     records = read_jsonl(run_dir / "metrics.jsonl")[warmup:]
     span_s = records[-1]["wall_s"] - records[0]["wall_s"]
@@ -59,24 +63,34 @@ def measure(overrides: list[str], age: int, steps: int, warmup: int, root: Path)
     }
 
 
+def median_of(runs: list[dict]) -> dict:
+    return {key: statistics.median(run[key] for run in runs) for key in runs[0]}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=60)
     parser.add_argument("--warmup", type=int, default=10)
+    parser.add_argument("--repeats", type=int, default=3, help="alternating A=0/A=1 pairs")
     args = parser.parse_args()
     lines = []
     with tempfile.TemporaryDirectory() as tmp:
         for name, overrides in SHAPES.items():
-            print(f"[{name}] running A=0 then A=1, {args.steps} steps each ...", file=sys.stderr)
-            sync = measure(overrides, 0, args.steps, args.warmup, Path(tmp))
-            asyn = measure(overrides, 1, args.steps, args.warmup, Path(tmp))
+            runs: dict[int, list[dict]] = {0: [], 1: []}
+            for repeat in range(args.repeats):
+                for age in (0, 1):
+                    print(f"[{name}] A={age} run {repeat + 1}/{args.repeats}", file=sys.stderr)
+                    root = Path(tmp) / f"{name}-{repeat}"
+                    runs[age].append(measure(overrides, age, args.steps, args.warmup, root))
+            sync, asyn = median_of(runs[0]), median_of(runs[1])
             gen, trn = sync["gen_s"], sync["train_s"]
             ideal = (gen + trn) / max(gen, trn)
             ratio = asyn["steps_per_s"] / sync["steps_per_s"]
             print(
-                f"[{name}] sync {sync['steps_per_s']:.2f} steps/s, async "
-                f"{asyn['steps_per_s']:.2f} steps/s; per step: generation {gen * 1000:.0f} ms, "
-                f"training {trn * 1000:.0f} ms; R/I = {ratio / ideal:.2f}"
+                f"[{name}] sync {sync['steps_per_s']:.2f} steps/s (generation {gen * 1e3:.0f} ms"
+                f" + training {trn * 1e3:.0f} ms per step), async {asyn['steps_per_s']:.2f} "
+                f"steps/s (generation {asyn['gen_s'] * 1e3:.0f} ms, training "
+                f"{asyn['train_s'] * 1e3:.0f} ms per step); R/I = {ratio / ideal:.2f}"
             )
             lines.append(f"[{name}] async/sync steps/s: {ratio:.2f} (ideal {ideal:.2f})")
     print("\n".join(lines))

@@ -186,15 +186,13 @@ class Collector:
         ]
         start = time.perf_counter()
         outputs = self.engine.generate(requests)
-        elapsed = time.perf_counter() - start
-        for ticket, output in zip(tickets, outputs, strict=True):
-            rewards = self.scorer(ticket, output)
-            group = make_group(
-                ticket, self.prompts[ticket.dataset_index], output, rewards, elapsed / len(tickets)
-            )
+        rewards = [self.scorer(t, out) for t, out in zip(tickets, outputs, strict=True)]
+        elapsed = time.perf_counter() - start  # generation and scoring: the collector's work
+        if self.on_batch is not None:
+            self.on_batch(start, elapsed, outputs[0].weights_version, [t.ordinal for t in tickets])
+        for ticket, output, reward in zip(tickets, outputs, rewards, strict=True):
+            prompt = self.prompts[ticket.dataset_index]
+            group = make_group(ticket, prompt, output, reward, elapsed / len(tickets))
             self.buffer.add(group)
             with self._cond:
                 self.in_flight.pop(ticket.ordinal, None)
-        if self.on_batch is not None:
-            version = outputs[0].weights_version if outputs else -1
-            self.on_batch(start, elapsed, version, [t.ordinal for t in tickets])
