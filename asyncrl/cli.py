@@ -1,5 +1,10 @@
-"""`asyncrl` command line. Exit codes: 0 done, 1 failure during the run, 2 bad input
-(config, data, run dir) with a message naming what to fix."""
+"""`asyncrl` command line.
+
+Exit codes: 0 done; 1 the run failed, or `audit` found violations, or `inspect` found no
+verified checkpoint; 2 bad input (config, data, run dir) with a message naming what to fix;
+75 stopped by SIGTERM/SIGINT after writing a checkpoint (run the same command to resume);
+130 a second signal aborted at once.
+"""
 
 from __future__ import annotations
 
@@ -26,6 +31,11 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="section.key=value",
         help="config overrides, before or after --run-dir (e.g. rollout.num_prompts_per_step=8)",
     )
+    inspect = commands.add_parser("inspect", help="the newest verified checkpoint and resume costs")
+    inspect.add_argument("run_dir", help="a run dir")
+    inspect.add_argument("--json", action="store_true", help="machine-readable output")
+    audit = commands.add_parser("audit", help="check I1 and I3 from the run's records")
+    audit.add_argument("run_dir", help="a run dir")
     return parser
 
 
@@ -43,23 +53,58 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 def _train(args: argparse.Namespace) -> int:
-    from asyncrl.train.trainer import RunDirError, train
+    from asyncrl.train.rundir import RunDirError
+    from asyncrl.train.signals import EXIT_PREEMPTED, Preempted, StopRequest
+    from asyncrl.train.trainer import train
 
+    stop = StopRequest()
+    stop.install()
     try:
         config = load_config(args.config, args.overrides)
-        summary = train(config, Path(args.run_dir))
+        summary = train(config, Path(args.run_dir), stop)
     except (ConfigError, RunDirError) as err:
         print(f"asyncrl: error: {err}", file=sys.stderr)
         return EXIT_BAD_INPUT
+    except Preempted:
+        return EXIT_PREEMPTED
     print(summary)
     return EXIT_OK
 
 
+def _inspect(args: argparse.Namespace) -> int:
+    import json
+
+    from asyncrl.checkpoint.store import CheckpointError
+    from asyncrl.inspect_run import InspectError, inspect_run_dir, render
+
+    try:
+        info = inspect_run_dir(Path(args.run_dir))
+    except (InspectError, CheckpointError) as err:
+        print(f"asyncrl: error: {err}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    if args.json:
+        print(json.dumps(info, indent=1))
+    else:
+        render(info)
+    return EXIT_OK if info["checkpoint"] is not None else EXIT_FAILED
+
+
+def _audit(args: argparse.Namespace) -> int:
+    from asyncrl.audit import audit_run_dir, format_report
+
+    run_dir = Path(args.run_dir)
+    if not (run_dir / "config.yaml").is_file():
+        print(f"asyncrl: error: {run_dir}: not a run dir (no config.yaml)", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    report = audit_run_dir(run_dir)
+    print(format_report(report, run_dir))
+    return EXIT_OK if report.ok else EXIT_FAILED
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    if args.command == "train":
-        return _train(args)
-    raise AssertionError(args.command)  # argparse rejects unknown commands
+    commands = {"train": _train, "inspect": _inspect, "audit": _audit}
+    return commands[args.command](args)
 
 
 if __name__ == "__main__":

@@ -11,6 +11,7 @@ from __future__ import annotations
 import ast
 import dataclasses
 import difflib
+import hashlib
 import inspect
 import itertools
 import json
@@ -157,6 +158,23 @@ class AlgoConfig:
 
 
 @dataclass
+class CheckpointConfig:
+    save_period: int = 10
+    """Write a checkpoint after every `save_period` steps; the last step always gets one."""
+    keep_last: int = 3
+    """Verified checkpoints of this run to keep; older ones are deleted after each save. The
+    newest verified checkpoint is never deleted."""
+    resume_policy: Literal["lossless", "keep_incomplete", "drop_incomplete"] = "lossless"
+    """What a resume does with the checkpoint's in-flight and short targets: `lossless` re-
+    dispatches in-flight prompts; `keep_incomplete` and `drop_incomplete` reproduce NeMo RL's
+    lossy resumes (see the README)."""
+
+    def validate(self) -> None:
+        _require(self.save_period >= 1, "checkpoint.save_period", self.save_period, ">= 1")
+        _require(self.keep_last >= 1, "checkpoint.keep_last", self.keep_last, ">= 1")
+
+
+@dataclass
 class LoggingConfig:
     progress: bool = True
     """Show a progress bar on stderr."""
@@ -173,6 +191,7 @@ class Config:
     data: DataConfig = field(default_factory=DataConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     algo: AlgoConfig = field(default_factory=AlgoConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
 
     def validate(self) -> None:
@@ -192,6 +211,41 @@ def _require(ok: bool, key: str, value: Any, allowed: str) -> None:
 
 SECTIONS: dict[str, type] = dict(typing.get_type_hints(Config))
 """Section name -> its dataclass, in declaration order."""
+
+
+BENIGN_KEYS = frozenset(
+    {"run.max_num_steps", "run.torch_threads", "rollout.backend"}
+    | {f"checkpoint.{f.name}" for f in dataclasses.fields(CheckpointConfig)}
+    | {f"logging.{f.name}" for f in dataclasses.fields(LoggingConfig)}
+)
+"""Keys a resume may change: they do not change what any step trains."""
+
+
+def flatten(config: Config | dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """`{"section.key": value}` for every key."""
+    nested = config.to_dict() if isinstance(config, Config) else config
+    return {f"{s}.{k}": v for s, values in nested.items() for k, v in values.items()}
+
+
+def semantic_differences(saved: dict[str, dict[str, Any]], now: Config) -> list[str]:
+    """`key: checkpoint=X, now=Y` for every semantics-bearing key that differs."""
+    before, after = flatten(saved), flatten(now)
+    return [
+        f"{key}: checkpoint={before.get(key)!r}, now={after[key]!r}"
+        for key in after
+        if key not in BENIGN_KEYS and before.get(key) != after[key]
+    ]
+
+
+def benign_differences(saved: dict[str, dict[str, Any]], now: Config) -> dict[str, list[Any]]:
+    before, after = flatten(saved), flatten(now)
+    return {k: [before.get(k), after[k]] for k in sorted(BENIGN_KEYS) if before.get(k) != after[k]}
+
+
+def config_hash(config: Config) -> str:
+    """SHA-256 of the semantics-bearing keys: equal hashes train the same steps."""
+    semantic = {k: v for k, v in flatten(config).items() if k not in BENIGN_KEYS}
+    return hashlib.sha256(json.dumps(semantic, sort_keys=True).encode()).hexdigest()
 
 
 def config_keys() -> list[str]:

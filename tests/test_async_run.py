@@ -111,5 +111,8 @@ def test_the_run_dir_holds_the_contract_files_and_events(tmp_path):
     assert (run / "final_model" / "model.safetensors").is_file()
     assert list((run / "tensorboard").glob("events.out.tfevents.*"))
     events = read_records(run / "events.jsonl")
-    assert [e["event"] for e in events] == ["start", "end"]
+    assert [e["event"] for e in events] == ["start", "checkpoint", "end"]
     assert events[0]["attempt"] == 0 and events[-1]["step"] == 3
+    checkpoint = events[1]
+    assert checkpoint["step"] == 3 and checkpoint["bytes"] > 0 and checkpoint["seconds"] > 0
+    assert (run / "checkpoints" / "step_000003" / "manifest.json").is_file()

@@ -14,7 +14,11 @@ from helpers import SMALL, read_records
 from asyncrl.cli import build_parser, parse_args
 from asyncrl.config import config_keys
 
-FROZEN_COMMANDS = {"train": {"config", "--run-dir", "overrides"}}
+FROZEN_COMMANDS = {
+    "train": {"config", "--run-dir", "overrides"},
+    "inspect": {"run_dir", "--json"},
+    "audit": {"run_dir"},
+}
 
 FROZEN_CONFIG_KEYS = [
     "run.seed", "run.max_num_steps", "run.deterministic", "run.torch_threads",
@@ -25,6 +29,7 @@ FROZEN_CONFIG_KEYS = [
     "rollout.max_new_tokens", "rollout.temperature", "rollout.max_trajectory_age_steps",
     "rollout.backend",
     "algo.name", "algo.lr", "algo.weight_decay", "algo.max_grad_norm", "algo.clip_eps",
+    "checkpoint.save_period", "checkpoint.keep_last", "checkpoint.resume_policy",
     "logging.progress", "logging.tensorboard", "logging.plot",
 ]  # fmt: skip
 
@@ -94,11 +99,11 @@ def test_bad_input_exits_2_with_a_message_naming_the_key(tmp_path, repo_root):
     assert not (tmp_path / "r").exists()
 
 
-def test_a_run_dir_that_already_holds_a_run_is_refused(tmp_path, repo_root):
+def test_a_run_dir_with_foreign_run_files_is_refused(tmp_path, repo_root):
     run = tmp_path / "run"
     run.mkdir()
     (run / "metrics.jsonl").write_text('{"step": 0}\n')
     done = run_cli("train", str(repo_root / "configs" / "demo.yaml"), "--run-dir", str(run))
     assert done.returncode == 2
-    assert "already holds a run" in done.stderr
+    assert "holds files of a run but no run.json" in done.stderr
     assert (run / "metrics.jsonl").read_text() == '{"step": 0}\n'

@@ -1,8 +1,10 @@
 """The replay buffer: finished groups keyed by target step.
 
-`sample(t)` hands the trainer exactly the N groups of target t, ordered by ordinal, waiting
-until all of them are in. The collector admits a target only inside the window, so the buffer
-never holds more than (A + 1) * N groups; `add` enforces that bound rather than trusting it.
+`sample(t)` hands the trainer exactly the N groups stamped with target t, ordered by ordinal,
+waiting until all of them are in (under the lossless schedule they are ordinals
+[t*N, (t+1)*N); after a lossy resume, whatever the schedule gave t). The collector admits a
+target only inside the window, so the buffer never holds more than (A + 1) * N groups; `add`
+enforces that bound rather than trusting it.
 
 Thread-safe through one condition variable; no other runtime. A Ray deployment wraps this
 class as it is.
@@ -52,12 +54,8 @@ class ReplayBuffer:
                 counts[group.target_step] = counts.get(group.target_step, 0) + 1
             return dict(sorted(counts.items()))
 
-    def _ordinals(self, target_step: int) -> range:
-        n = self.num_prompts_per_step
-        return range(target_step * n, (target_step + 1) * n)
-
-    def _is_complete(self, target_step: int) -> bool:
-        return all(k in self._groups for k in self._ordinals(target_step))
+    def _count(self, target_step: int) -> int:
+        return sum(1 for g in self._groups.values() if g.target_step == target_step)
 
     def sample(
         self,
@@ -67,15 +65,26 @@ class ReplayBuffer:
     ) -> list[Group]:
         """Removes and returns the N groups of `target_step`, ordered by ordinal. Blocks until
         they are all buffered; `check` is called while waiting and may raise to abort (for
-        example when the generation worker died)."""
+        example when the generation worker died or a preemption signal arrived)."""
         with self._cond:
-            while not self._is_complete(target_step):
+            while self._count(target_step) < self.num_prompts_per_step:
                 if check is not None:
                     check()
                 self._cond.wait(timeout=poll_s)
-            groups = [self._groups.pop(k) for k in self._ordinals(target_step)]
+            ordinals = sorted(k for k, g in self._groups.items() if g.target_step == target_step)
+            groups = [self._groups.pop(k) for k in ordinals]
             self._cond.notify_all()
             return groups
+
+    def ordinals_and_targets(self) -> list[tuple[int, int]]:
+        with self._cond:
+            return [(k, self._groups[k].target_step) for k in sorted(self._groups)]
+
+    def discard(self, ordinals: list[int]) -> None:
+        """Deletes buffered groups (the `drop_incomplete` resume policy does)."""
+        with self._cond:
+            for k in ordinals:
+                del self._groups[k]
 
     def state_dict(self) -> dict[str, Any]:
         """The buffered groups, ordered by ordinal: JSON-able metadata plus tensors."""

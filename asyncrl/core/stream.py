@@ -1,13 +1,16 @@
-"""The prompt stream: ordinal k -> (epoch, position) -> dataset row.
+"""The prompt stream: ordinal k -> (epoch, position) -> dataset row, and k -> target step.
 
 Ordinal `k` is the k-th prompt this run hands out, counted across epochs. Its row is
 `permutation(seed, epoch)[position]`, a pure function of (seed, epoch) that is recomputed,
-never saved: the only state of the stream is its cursor, the next ordinal to hand out.
+never saved. Its target step is `k // N` — unless a lossy resume re-planned the schedule (see
+`TargetSchedule`). The stream's state is its cursor (the next ordinal to hand out) and that
+schedule.
 """
 
 from __future__ import annotations
 
 import random
+from dataclasses import dataclass, field
 from typing import Any
 
 from asyncrl.core.types import PromptTicket
@@ -21,11 +24,54 @@ def epoch_permutation(seed: int, epoch: int, num_rows: int) -> list[int]:
     return order
 
 
-class PromptStream:
-    """Hands out `PromptTicket`s in ordinal order, endlessly across epochs.
+@dataclass
+class TargetSchedule:
+    """Which step trains each ordinal the stream hands out.
 
-    `num_prompts_per_step` (N) fixes each ticket's target step, `ordinal // N`.
+    Lossless runs keep the default, `target(k) = k // N`. A lossy resume policy (which skips
+    in-flight ordinals, as NeMo RL does) hands the next ordinals to the targets it left short:
+    `fills[i]` is the target of ordinal `fill_start + i`; after them the regular schedule
+    restarts, `base_target + (k - base_ordinal) // N`.
     """
+
+    num_prompts_per_step: int
+    fill_start: int = 0
+    fills: list[int] = field(default_factory=list)
+    base_ordinal: int = 0
+    base_target: int = 0
+
+    def target(self, ordinal: int) -> int:
+        offset = ordinal - self.fill_start
+        if 0 <= offset < len(self.fills):
+            return self.fills[offset]
+        if ordinal < self.base_ordinal:
+            raise ValueError(f"ordinal {ordinal} was handed out before the current schedule")
+        return self.base_target + (ordinal - self.base_ordinal) // self.num_prompts_per_step
+
+    def refill(self, cursor: int, fills: list[int], next_target: int) -> None:
+        """From `cursor` on: first the `fills` targets, then full steps from `next_target`."""
+        self.fill_start = cursor
+        self.fills = list(fills)
+        self.base_ordinal = cursor + len(fills)
+        self.base_target = next_target
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "fill_start": self.fill_start,
+            "fills": list(self.fills),
+            "base_ordinal": self.base_ordinal,
+            "base_target": self.base_target,
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.fill_start = int(state["fill_start"])
+        self.fills = [int(t) for t in state["fills"]]
+        self.base_ordinal = int(state["base_ordinal"])
+        self.base_target = int(state["base_target"])
+
+
+class PromptStream:
+    """Hands out `PromptTicket`s in ordinal order, endlessly across epochs."""
 
     def __init__(self, num_rows: int, num_prompts_per_step: int, seed: int) -> None:
         if num_rows < 1:
@@ -34,18 +80,20 @@ class PromptStream:
         self.num_prompts_per_step = num_prompts_per_step
         self.seed = seed
         self.cursor = 0
+        self.schedule = TargetSchedule(num_prompts_per_step)
         self._perm_epoch = -1
         self._perm: list[int] = []
 
-    def ticket(self, ordinal: int) -> PromptTicket:
-        """The ticket for any ordinal, past or future, without moving the cursor."""
+    def ticket(self, ordinal: int, target_step: int | None = None) -> PromptTicket:
+        """The ticket for an ordinal, without moving the cursor. `target_step` defaults to the
+        schedule's target for it."""
         epoch, position = divmod(ordinal, self.num_rows)
         if epoch != self._perm_epoch:
             self._perm = epoch_permutation(self.seed, epoch, self.num_rows)
             self._perm_epoch = epoch
         return PromptTicket(
             ordinal=ordinal,
-            target_step=ordinal // self.num_prompts_per_step,
+            target_step=self.schedule.target(ordinal) if target_step is None else target_step,
             epoch=epoch,
             position=position,
             dataset_index=self._perm[position],
@@ -53,7 +101,7 @@ class PromptStream:
 
     def peek_target(self) -> int:
         """The target step of the next ticket `take()` would hand out."""
-        return self.cursor // self.num_prompts_per_step
+        return self.schedule.target(self.cursor)
 
     def take(self) -> PromptTicket:
         ticket = self.ticket(self.cursor)
@@ -61,7 +109,8 @@ class PromptStream:
         return ticket
 
     def state_dict(self) -> dict[str, Any]:
-        return {"cursor": self.cursor}
+        return {"cursor": self.cursor, "schedule": self.schedule.state_dict()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.cursor = int(state["cursor"])
+        self.schedule.load_state_dict(state["schedule"])

@@ -16,15 +16,16 @@ import hashlib
 import threading
 import time
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 from transformers import PreTrainedTokenizerBase
 
 from asyncrl.config import ConfigError
 from asyncrl.core.buffer import ReplayBuffer
-from asyncrl.core.stream import PromptStream
+from asyncrl.core.ledger import Ledger
 from asyncrl.core.types import Group, PromptTicket
-from asyncrl.core.window import is_admissible
+from asyncrl.faults import fault_point
 from asyncrl.rollout.engine import GenerationEngine, GenerationOutput, GenerationRequest
 from asyncrl.tasks.source import Task
 
@@ -100,11 +101,16 @@ def make_group(
 
 
 class Collector:
-    """Runs generation on a background thread until `stop()`."""
+    """Runs generation on a background thread until `stop()`.
+
+    One lock (`_cond`) guards admission (ledger.admit) and completion (buffer.add together
+    with ledger.complete), so `snapshot()` under the same lock always sees every ordinal in
+    exactly one place: pending, in flight or buffered. Generation itself runs outside the lock.
+    """
 
     def __init__(
         self,
-        stream: PromptStream,
+        ledger: Ledger,
         buffer: ReplayBuffer,
         engine: GenerationEngine,
         prompts: Sequence[list[int]],
@@ -113,9 +119,9 @@ class Collector:
         max_age_steps: int,
         seed: int,
         batch_groups: int,
-        on_batch: Callable[[float, float, int, list[int]], None] | None = None,
+        on_batch: Callable[[float, float, int, list[PromptTicket]], None] | None = None,
     ) -> None:
-        self.stream = stream
+        self.ledger = ledger
         self.buffer = buffer
         self.engine = engine
         self.prompts = prompts
@@ -125,7 +131,6 @@ class Collector:
         self.seed = seed
         self.batch_groups = batch_groups
         self.on_batch = on_batch
-        self.in_flight: dict[int, PromptTicket] = {}
         self._version = engine.weights_version
         self._cond = threading.Condition()
         self._stop = False
@@ -136,6 +141,8 @@ class Collector:
         self._thread.start()
 
     def stop(self, timeout_s: float = 60.0) -> None:
+        """Stops admitting and waits up to `timeout_s` for a batch in progress to land; one
+        still running then is abandoned (its ordinals stay in flight in the ledger)."""
         with self._cond:
             self._stop = True
             self._cond.notify_all()
@@ -153,26 +160,32 @@ class Collector:
         if self._error is not None:
             raise GenerationFailed(f"generation worker failed: {self._error!r}") from self._error
 
+    def snapshot(self) -> tuple[dict[str, Any], dict[str, Any], float]:
+        """One consistent cut of ledger and buffer; returns them and the seconds admission and
+        completion were held up while copying."""
+        with self._cond:
+            start = time.perf_counter()
+            ledger_state = self.ledger.state_dict()
+            buffer_state = self.buffer.state_dict()
+            return ledger_state, buffer_state, time.perf_counter() - start
+
     def _admit(self) -> list[PromptTicket]:
-        """Pulls tickets while the next one's target is inside the window."""
         with self._cond:
             while not self._stop:
-                tickets: list[PromptTicket] = []
-                while len(tickets) < self.batch_groups and is_admissible(
-                    self.stream.peek_target(), self._version, self.max_age_steps
-                ):
-                    tickets.append(self.stream.take())
+                tickets = self.ledger.admit(self._version, self.max_age_steps, self.batch_groups)
                 if tickets:
-                    self.in_flight.update((t.ordinal, t) for t in tickets)
                     return tickets
                 self._cond.wait(timeout=0.5)
             return []
 
     def _run(self) -> None:
+        tickets: list[PromptTicket] = []
         try:
             while tickets := self._admit():
                 self._generate(tickets)
         except BaseException as err:
+            with self._cond:
+                self.ledger.fail([t for t in tickets if t.ordinal in self.ledger.in_flight])
             self._error = err
 
     def _generate(self, tickets: list[PromptTicket]) -> None:
@@ -188,11 +201,12 @@ class Collector:
         outputs = self.engine.generate(requests)
         rewards = [self.scorer(t, out) for t, out in zip(tickets, outputs, strict=True)]
         elapsed = time.perf_counter() - start  # generation and scoring: the collector's work
-        if self.on_batch is not None:
-            self.on_batch(start, elapsed, outputs[0].weights_version, [t.ordinal for t in tickets])
+        if self.on_batch is not None:  # recorded before the groups can reach a checkpoint
+            self.on_batch(start, elapsed, outputs[0].weights_version, tickets)
         for ticket, output, reward in zip(tickets, outputs, rewards, strict=True):
             prompt = self.prompts[ticket.dataset_index]
             group = make_group(ticket, prompt, output, reward, elapsed / len(tickets))
-            self.buffer.add(group)
             with self._cond:
-                self.in_flight.pop(ticket.ordinal, None)
+                self.buffer.add(group)
+                self.ledger.complete(ticket.ordinal)
+            fault_point("collector.group_buffered")

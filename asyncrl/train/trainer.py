@@ -6,18 +6,22 @@
     generate with version v      │              groups = buffer.sample(t)   # waits for all N
     score, buffer.add(group) ────┼──────────▶   GRPO step on groups
     wait if nothing admissible ◀─┴── v=t+1 ──   publish weights version t+1 to the engine
+                                                every save_period steps: checkpoint
 
 Who waits on whom: the trainer waits only for the N groups of its own step; the collector
 waits only when every target inside the window is already dispatched. Staleness bound: a
 group trained at step t was generated with a weights version v in [t - A, t], A =
 `rollout.max_trajectory_age_steps`. With A = 0 the collector admits target t only after
 version t is published, so generation and training alternate: exactly synchronous training.
+
+Checkpoints are taken between steps: the trainer owns the weights and optimizer there, and
+the collector's lock gives one consistent cut of ledger and buffer (generation keeps running;
+only admission and completion wait while the cut is copied).
 """
 
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -25,112 +29,133 @@ import torch
 import transformers
 from tqdm import tqdm
 
-from asyncrl.config import Config, dump_config
-from asyncrl.core.buffer import ReplayBuffer
-from asyncrl.core.stream import PromptStream
-from asyncrl.core.types import Group
-from asyncrl.models.policy import Policy, load_policy
-from asyncrl.rollout.collector import Collector, Scorer, encode_prompts
-from asyncrl.rollout.engine import TorchGenerationEngine
-from asyncrl.tasks.source import Task, load_task
-from asyncrl.train.grpo import GRPO
+from asyncrl.checkpoint.snapshot import Snapshot, capture_rng, decode, encode, restore_rng
+from asyncrl.checkpoint.store import CheckpointError, Saved
+from asyncrl.config import Config, benign_differences, config_hash
+from asyncrl.core.resume import ResumePlan, SavedLedger, plan_resume
+from asyncrl.core.types import Group, PromptTicket
+from asyncrl.faults import fault_point
+from asyncrl.train.components import build_components
 from asyncrl.train.records import EventLog, JsonlLog, MetricsSink, TensorBoardSink, read_jsonl
 from asyncrl.train.report import plot_reward_curve, summarize
-
-
-class RunDirError(RuntimeError):
-    """The run dir cannot be used as asked; the message says what to do."""
-
-
-@dataclass
-class Components:
-    """Everything one run is made of, built from the config by `build_components`."""
-
-    policy: Policy
-    task: Task
-    stream: PromptStream
-    buffer: ReplayBuffer
-    engine: TorchGenerationEngine
-    collector: Collector
-    algo: GRPO
-
-
-def build_components(config: Config, timeline: JsonlLog | None = None) -> Components:
-    rollout = config.rollout
-    task = load_task(config.data)
-    policy = load_policy(config.model, config.run.seed, task.alphabet())
-    prompts = encode_prompts(task, policy.tokenizer, rollout.max_new_tokens, policy.max_seq_len)
-    stream = PromptStream(len(task.examples), rollout.num_prompts_per_step, config.run.seed)
-    buffer = ReplayBuffer(rollout.num_prompts_per_step, rollout.max_trajectory_age_steps)
-    engine = TorchGenerationEngine(
-        policy.model, policy.eos_id, policy.pad_id, rollout.max_new_tokens, rollout.temperature
-    )
-
-    def on_batch(start: float, elapsed: float, version: int, ordinals: list[int]) -> None:
-        if timeline is not None:
-            timeline.write(
-                {
-                    "kind": "generate",
-                    "start": start,
-                    "seconds": elapsed,
-                    "version": version,
-                    "ordinals": ordinals,
-                }
-            )
-
-    collector = Collector(
-        stream=stream,
-        buffer=buffer,
-        engine=engine,
-        prompts=prompts,
-        scorer=Scorer(task, policy.tokenizer),
-        num_generations=rollout.num_generations_per_prompt,
-        max_age_steps=rollout.max_trajectory_age_steps,
-        seed=config.run.seed,
-        batch_groups=rollout.num_prompts_per_step,
-        on_batch=on_batch,
-    )
-    algo = GRPO(policy.model, config.algo, rollout.temperature, policy.pad_id)
-    return Components(policy, task, stream, buffer, engine, collector, algo)
-
-
-def prepare_run_dir(run_dir: Path, config: Config) -> None:
-    """Creates the run dir; refuses one that already holds a run."""
-    if (run_dir / "metrics.jsonl").exists() or (run_dir / "events.jsonl").exists():
-        raise RunDirError(
-            f"{run_dir} already holds a run (metrics.jsonl/events.jsonl). Resuming needs a "
-            "checkpoint, which this version does not write yet: choose a new --run-dir."
-        )
-    run_dir.mkdir(parents=True, exist_ok=True)
-    (run_dir / "config.yaml").write_text(dump_config(config))
+from asyncrl.train.rundir import RunDir, open_run_dir
+from asyncrl.train.signals import Preempted, StopRequest
 
 
 class Trainer:
-    """Drives one run: starts the collector, trains `run.max_num_steps` steps, reports."""
+    """Drives one launch of a run: resumes if the run dir has a verified checkpoint, trains to
+    `run.max_num_steps`, checkpoints, reports."""
 
-    def __init__(self, config: Config, run_dir: Path) -> None:
+    def __init__(self, config: Config, run: RunDir, stop: StopRequest | None = None) -> None:
         self.config = config
-        self.run_dir = run_dir
+        self.run_dir = run.path
+        self.run = run
+        self.stop = stop or StopRequest()
         if config.run.torch_threads:
             torch.set_num_threads(config.run.torch_threads)
-        self.events = EventLog(run_dir / "events.jsonl")
-        self.metrics = JsonlLog(run_dir / "metrics.jsonl")
-        self.timeline = JsonlLog(run_dir / "timeline.jsonl")
+        self.events = EventLog(self.run_dir / "events.jsonl")
+        self.metrics = JsonlLog(self.run_dir / "metrics.jsonl")
+        self.timeline = JsonlLog(self.run_dir / "timeline.jsonl")
         self.sinks: list[MetricsSink] = [self.metrics]
         if config.logging.tensorboard:
-            self.sinks.append(TensorBoardSink(run_dir / "tensorboard"))
-        self.parts = build_components(config, self.timeline)
+            self.sinks.append(TensorBoardSink(self.run_dir / "tensorboard"))
+        self.parts = build_components(config, self._on_batch)
         self.step = 0
-        self.attempt = 0
-        self._start_s = 0.0
-
-    def run(self) -> str:
-        """Trains to `run.max_num_steps`; returns the end-of-run summary."""
+        self.attempt = run.attempt
+        self.last_saved_step = -1
         self._start_s = time.perf_counter()
+        self.resume_plan: ResumePlan | None = None
+
+    # --- state ----------------------------------------------------------------------------
+
+    def state_dict(self) -> tuple[Snapshot, float]:
+        """The run's consistent cut, and how long generation's bookkeeping was held for it."""
+        ledger, buffer, pause_s = self.parts.collector.snapshot()
+        snapshot = Snapshot(
+            trainer={
+                "step": self.step,
+                "weights_version": self.step,
+                "attempt": self.attempt,
+                "run_id": self.run.run_id,
+            },
+            model=self.parts.policy.model.state_dict(),
+            optimizer=self.parts.algo.optimizer.state_dict(),
+            ledger=ledger,
+            buffer=buffer,
+            rng=capture_rng(),
+            config=self.config.to_dict(),
+        )
+        return snapshot, pause_s
+
+    def load_state_dict(self, snapshot: Snapshot) -> ResumePlan:
+        """Restores a snapshot and applies `checkpoint.resume_policy`; returns the plan."""
+        self.parts.policy.model.load_state_dict(snapshot.model)
+        self.parts.algo.optimizer.load_state_dict(snapshot.optimizer)
+        restore_rng(snapshot.rng)
+        self.step = int(snapshot.trainer["step"])
+        self.last_saved_step = self.step
+        ledger, buffer = self.parts.ledger, self.parts.buffer
+        ledger.load_state_dict(snapshot.ledger)
+        buffer.load_state_dict(snapshot.buffer)
+        saved = SavedLedger(
+            step=self.step,
+            num_prompts_per_step=self.config.rollout.num_prompts_per_step,
+            cursor=ledger.stream.cursor,
+            in_flight=[(t.ordinal, t.target_step) for t in ledger.redispatch],
+            buffered=buffer.ordinals_and_targets(),
+        )
+        plan = plan_resume(saved, self.config.checkpoint.resume_policy)
+        if plan.policy != "lossless":
+            ledger.redispatch.clear()
+            buffer.discard(plan.discarded)
+            ledger.stream.schedule.refill(saved.cursor, plan.fills, plan.next_target)
+        self._publish_weights(self.step)
+        return plan
+
+    def resume(self) -> None:
+        """Loads the run dir's newest verified checkpoint, if any, and records the resume."""
+        for reason in self.run.rejected:
+            print(f"asyncrl: skipping checkpoint: {reason}")
+        if self.run.latest is None:
+            if self.attempt:
+                print(f"asyncrl: no verified checkpoint; from step 0 (attempt {self.attempt})")
+            return
+        snapshot = decode(self.run.latest)
+        plan = self.load_state_dict(snapshot)
+        self.resume_plan = plan
+        for line in plan.messages:
+            print(line)
+        self.events.emit(
+            "resume",
+            attempt=self.attempt,
+            from_step=self.step,
+            policy=plan.policy,
+            kept_groups=plan.kept,
+            reissued_ordinals=[k for k, _ in plan.redispatched],
+            skipped_ordinals=plan.skipped,
+            discarded_groups=plan.discarded,
+            refilled_targets=plan.fills,
+            rejected_checkpoints=self.run.rejected,
+            config_changes=benign_differences(snapshot.config, self.config),
+        )
+        print(
+            f"asyncrl: resumed at step {self.step} (attempt {self.attempt}, {plan.policy}): kept "
+            f"{len(plan.kept)} buffered groups, re-dispatched {len(plan.redispatched)} in-flight "
+            f"prompts, skipped {len(plan.skipped)} prompts, discarded {len(plan.discarded)} "
+            "finished groups"
+        )
+
+    # --- the loop -------------------------------------------------------------------------
+
+    def run_to_end(self) -> str:
+        """Trains to `run.max_num_steps`; returns the end-of-run summary. Raises `Preempted`
+        after writing a checkpoint if a stop signal arrived."""
+        self.resume()
         self.events.emit(
             "start",
             attempt=self.attempt,
             from_step=self.step,
+            run_id=self.run.run_id,
             num_parameters=self.parts.policy.num_parameters(),
             config=self.config.to_dict(),
         )
@@ -143,29 +168,68 @@ class Trainer:
             dynamic_ncols=True,
             mininterval=0.5,
         )
+        self._start_s = time.perf_counter() - self._wall_offset()
         self.parts.collector.start()
         try:
             while self.step < self.config.run.max_num_steps:
                 record = self.train_step()
                 progress.set_postfix_str(self._postfix(record), refresh=False)
                 progress.update(1)
+                if self.stop.requested or self.step % self.config.checkpoint.save_period == 0:
+                    self.checkpoint()
+                if self.stop.requested:
+                    raise Preempted(self.stop.signal_name or "signal")
+            if self.last_saved_step != self.step:
+                self.checkpoint()
+        except Preempted as stop:
+            self._on_preempted(stop)
+            raise
         finally:
             self.parts.collector.stop()
             progress.close()
         return self.finish()
 
+    def _wall_offset(self) -> float:
+        """Wall seconds the run had spent up to the resumed step, so `wall_s` keeps counting
+        across attempts."""
+        earlier = [r for r in read_jsonl(self.run_dir / "metrics.jsonl") if r["step"] < self.step]
+        return max((r["wall_s"] for r in latest_records(earlier)), default=0.0)
+
+    def _on_preempted(self, stop: Preempted) -> None:
+        self.parts.collector.stop(timeout_s=5.0)  # let a batch in progress land, briefly
+        if self.last_saved_step != self.step:
+            self.checkpoint()
+        self.events.emit("signal", signal=stop.signal_name, step=self.step)
+        print(
+            f"asyncrl: {stop.signal_name}: checkpoint of step {self.step} written; run the same "
+            "command again to resume"
+        )
+
+    def _wait_check(self) -> None:
+        self.parts.collector.check()
+        if self.stop.requested:
+            raise Preempted(self.stop.signal_name or "signal")
+
     def train_step(self) -> dict[str, Any]:
         """Samples step t's groups, updates the policy, publishes version t+1, records."""
         step = self.step
         wait_start = time.perf_counter()
-        groups = self.parts.buffer.sample(step, check=self.parts.collector.check)
+        groups = self.parts.buffer.sample(step, check=self._wait_check)
         train_start = time.perf_counter()
         algo_metrics = self.parts.algo.step(groups)
+        fault_point("train.optimizer_step")
         trained = time.perf_counter()
         self.timeline.write(
-            {"kind": "train", "start": train_start, "seconds": trained - train_start, "step": step}
+            {
+                "kind": "train",
+                "start": train_start,
+                "seconds": trained - train_start,
+                "step": step,
+                "attempt": self.attempt,
+            }
         )
         self._publish_weights(step + 1)
+        fault_point("train.weights_published")
         record = self._record(step, groups, algo_metrics)
         record.update(
             wait_s=train_start - wait_start,
@@ -177,9 +241,48 @@ class Trainer:
         self.step = step + 1
         return record
 
+    def checkpoint(self) -> Saved:
+        """Writes and verifies the checkpoint of the current step, then applies retention."""
+        start = time.perf_counter()
+        snapshot, pause_s = self.state_dict()
+        files = encode(snapshot)
+        store = self.run.store
+        saved = store.save(self.step, files, config_hash(self.config))
+        store.verify(saved.path, self.step)
+        deleted = store.retain(self.config.checkpoint.keep_last)
+        self.last_saved_step = self.step
+        self.events.emit(
+            "checkpoint",
+            step=self.step,
+            seconds=time.perf_counter() - start,
+            write_s=saved.seconds,
+            pause_s=pause_s,
+            bytes=saved.num_bytes,
+            path=str(saved.path),
+            in_flight=len(snapshot.ledger["in_flight"]),
+            buffered=len(snapshot.buffer["groups"]),
+            deleted=[str(p) for p in deleted],
+        )
+        return saved
+
     def _publish_weights(self, version: int) -> None:
         self.parts.engine.update_weights(self.parts.policy.model.state_dict(), version)
         self.parts.collector.publish_version(version)
+
+    def _on_batch(
+        self, start: float, elapsed: float, version: int, tickets: list[PromptTicket]
+    ) -> None:
+        self.timeline.write(
+            {
+                "kind": "generate",
+                "start": start,
+                "seconds": elapsed,
+                "version": version,
+                "attempt": self.attempt,
+                "ordinals": [t.ordinal for t in tickets],
+                "targets": [t.target_step for t in tickets],
+            }
+        )
 
     def _record(self, step: int, groups: list[Group], algo: dict[str, float]) -> dict[str, Any]:
         return {
@@ -211,16 +314,35 @@ class Trainer:
         self.parts.policy.model.save_pretrained(self.run_dir / "final_model")
         self.parts.policy.tokenizer.save_pretrained(self.run_dir / "final_model")
         self.events.emit("end", step=self.step, wall_s=wall_s)
+        self.close()
+        records = latest_records(read_jsonl(self.run_dir / "metrics.jsonl"))
+        if self.config.logging.plot and records:
+            plot_reward_curve(records, self.run_dir / "reward_curve.png")
+        return summarize(records, self.run_dir, records[-1]["wall_s"] if records else wall_s)
+
+    def close(self) -> None:
         for sink in self.sinks[1:]:
             sink.close()
         for log in (self.metrics, self.events, self.timeline):
             log.close()
-        records = read_jsonl(self.run_dir / "metrics.jsonl")
-        if self.config.logging.plot and records:
-            plot_reward_curve(records, self.run_dir / "reward_curve.png")
-        return summarize(records, self.run_dir, wall_s)
 
 
-def train(config: Config, run_dir: Path) -> str:
-    prepare_run_dir(run_dir, config)
-    return Trainer(config, run_dir).run()
+def latest_records(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The record that counts for each step: the last one written (a step retrained after a
+    resume appears again with a higher attempt), ordered by step."""
+    by_step = {r["step"]: r for r in records}
+    return [by_step[s] for s in sorted(by_step)]
+
+
+def train(config: Config, run_dir: Path, stop: StopRequest | None = None) -> str:
+    """Starts or resumes the run in `run_dir`; returns the end-of-run summary."""
+    run = open_run_dir(run_dir, config)
+    trainer = Trainer(config, run, stop)
+    try:
+        return trainer.run_to_end()
+    except BaseException:
+        trainer.close()
+        raise
+
+
+__all__ = ["CheckpointError", "Trainer", "latest_records", "train"]

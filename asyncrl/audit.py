@@ -1,0 +1,120 @@
+"""`asyncrl audit DIR`: checks I1 (schedule) and I3 (exactly once) from the run's own records.
+
+- I1: the record that counts for step t (its last) trained exactly ordinals [t*N, (t+1)*N).
+- I3: every ordinal below the final frontier was trained by exactly one step; no group that a
+  resume kept from a checkpoint's buffer was generated again afterwards (timeline.jsonl).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from asyncrl.train.records import read_jsonl
+from asyncrl.train.trainer import latest_records
+
+
+@dataclass
+class AuditReport:
+    num_steps: int
+    num_ordinals: int
+    num_resumes: int
+    violations: list[str] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return not self.violations
+
+
+def _ranges(ordinals: list[int]) -> str:
+    """Compact `3-5, 9` form of a sorted list."""
+    parts, start = [], None
+    for i, k in enumerate(ordinals):
+        if start is None:
+            start = k
+        if i + 1 == len(ordinals) or ordinals[i + 1] != k + 1:
+            parts.append(f"{start}" if start == k else f"{start}-{k}")
+            start = None
+    return ", ".join(parts)
+
+
+def audit_records(
+    metrics: list[dict[str, Any]],
+    events: list[dict[str, Any]],
+    timeline: list[dict[str, Any]],
+    num_prompts_per_step: int,
+) -> AuditReport:
+    n = num_prompts_per_step
+    final = latest_records(metrics)
+    last_step = final[-1]["step"] if final else -1
+    resumes = [e for e in events if e.get("event") == "resume"]
+    report = AuditReport(len(final), (last_step + 1) * n, len(resumes))
+    present = {r["step"] for r in final}
+    missing_steps = [t for t in range(last_step + 1) if t not in present]
+    if missing_steps:
+        report.violations.append(f"I1: steps never trained: {_ranges(missing_steps)}")
+    trained_by: dict[int, list[int]] = {}
+    schedule_violations = []
+    for record in final:
+        t, got = record["step"], record["prompt_ordinals"]
+        expected = list(range(t * n, (t + 1) * n))
+        if got != expected:
+            schedule_violations.append(
+                f"I1: step {t} trained ordinals [{_ranges(sorted(got))}], "
+                f"schedule says [{_ranges(expected)}]"
+            )
+        for k in got:
+            trained_by.setdefault(k, []).append(t)
+    skipped = sorted(set(range(report.num_ordinals)) - set(trained_by))
+    if skipped:
+        report.violations.append(
+            f"I3: {len(skipped)} ordinals below the frontier never trained: {_ranges(skipped)}"
+        )
+    for k, steps in sorted(trained_by.items()):
+        if len(steps) > 1:
+            report.violations.append(f"I3: ordinal {k} trained by steps {steps}")
+    for resume in resumes:
+        kept = set(resume["kept_groups"])
+        again = sorted(
+            {
+                k
+                for span in timeline
+                if span.get("kind") == "generate" and span["attempt"] >= resume["attempt"]
+                for k in span["ordinals"]
+                if k in kept
+            }
+        )
+        if again:
+            report.violations.append(
+                f"I3: attempt {resume['attempt']} kept buffered groups from step "
+                f"{resume['from_step']}'s checkpoint but generated them again: {_ranges(again)}"
+            )
+    report.violations.extend(schedule_violations)  # last: the per-step detail of the above
+    return report
+
+
+def audit_run_dir(run_dir: Path) -> AuditReport:
+    config = yaml.safe_load((run_dir / "config.yaml").read_text())
+    return audit_records(
+        read_jsonl(run_dir / "metrics.jsonl"),
+        read_jsonl(run_dir / "events.jsonl"),
+        read_jsonl(run_dir / "timeline.jsonl"),
+        int(config["rollout"]["num_prompts_per_step"]),
+    )
+
+
+def format_report(report: AuditReport, run_dir: Path, limit: int = 20) -> str:
+    head = (
+        f"audit {run_dir}: {report.num_steps} steps, ordinals 0-{report.num_ordinals - 1}, "
+        f"{report.num_resumes} resumes"
+    )
+    if report.ok:
+        return f"{head}: I1 ok, I3 ok"
+    lines = [f"{head}: {len(report.violations)} violations"]
+    lines += [f"  {v}" for v in report.violations[:limit]]
+    if len(report.violations) > limit:
+        lines.append(f"  ... and {len(report.violations) - limit} more")
+    return "\n".join(lines)

@@ -1,0 +1,158 @@
+"""What goes into a checkpoint, and back out: tensors in safetensors, everything else in JSON.
+
+Files of a checkpoint directory:
+    model.safetensors   policy weights (tied tensors stored once, aliases in state.json)
+    state.safetensors   optimizer tensors, replay-buffer tensors, torch RNG state
+    state.json          step, weights version, ledger, buffer metadata, optimizer
+                        hyperparameters, Python/NumPy RNG state, config
+Nothing is a pickle: loading a checkpoint cannot execute code (DESIGN.md I7).
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load as load_tensors
+from safetensors.torch import save as save_tensors
+
+from asyncrl.checkpoint.store import CheckpointError, Verified
+
+GROUP_TENSORS = ("completion_ids", "completion_mask", "behaviour_logprobs", "rewards")
+
+
+@dataclass
+class Snapshot:
+    """One consistent cut of a run, in memory."""
+
+    trainer: dict[str, Any]  # step, weights_version, attempt, run_id ...
+    model: dict[str, torch.Tensor]
+    optimizer: dict[str, Any]  # torch optimizer state_dict
+    ledger: dict[str, Any]
+    buffer: dict[str, Any]  # ReplayBuffer.state_dict()
+    rng: dict[str, Any]
+    config: dict[str, Any]
+
+
+def capture_rng() -> dict[str, Any]:
+    return {
+        "python": random.getstate(),
+        "numpy": np.random.get_state(),
+        "torch": torch.get_rng_state(),
+    }
+
+
+def restore_rng(rng: dict[str, Any]) -> None:
+    version, internal, gauss = rng["python"]
+    random.setstate((version, tuple(internal), gauss))
+    name, keys, pos, has_gauss, cached = rng["numpy"]
+    np.random.set_state((name, np.asarray(keys, dtype=np.uint32), pos, has_gauss, cached))
+    torch.set_rng_state(rng["torch"])
+
+
+def _dedupe(state: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """Stores tensors that share memory (tied embeddings) once; returns {alias: stored name}."""
+    kept: dict[tuple[int, int], str] = {}
+    tensors: dict[str, torch.Tensor] = {}
+    aliases: dict[str, str] = {}
+    for name, tensor in state.items():
+        key = (tensor.untyped_storage().data_ptr(), int(tensor.storage_offset()))
+        if key in kept and tensors[kept[key]].shape == tensor.shape:
+            aliases[name] = kept[key]
+            continue
+        kept[key] = name
+        tensors[name] = tensor.detach().contiguous()
+    return tensors, aliases
+
+
+def encode(snapshot: Snapshot) -> dict[str, bytes]:
+    """The checkpoint files of a snapshot, as bytes."""
+    model, aliases = _dedupe(snapshot.model)
+    tensors: dict[str, torch.Tensor] = {"rng/torch": snapshot.rng["torch"]}
+    optimizer_scalars: dict[str, dict[str, Any]] = {}
+    for index, entry in snapshot.optimizer["state"].items():
+        for key, value in entry.items():
+            if isinstance(value, torch.Tensor):
+                tensors[f"optimizer/{index}/{key}"] = value.detach().contiguous()
+            else:
+                optimizer_scalars.setdefault(str(index), {})[key] = value
+    groups_meta = []
+    for group in snapshot.buffer["groups"]:
+        ordinal = group["ticket"]["ordinal"]
+        for key in GROUP_TENSORS:
+            tensors[f"buffer/{ordinal}/{key}"] = group[key].contiguous()
+        groups_meta.append({k: v for k, v in group.items() if k not in GROUP_TENSORS})
+    numpy_state = snapshot.rng["numpy"]
+    state = {
+        "trainer": snapshot.trainer,
+        "ledger": snapshot.ledger,
+        "buffer": {"groups": groups_meta},
+        "optimizer": {
+            "param_groups": snapshot.optimizer["param_groups"],
+            "state_indices": [str(i) for i in snapshot.optimizer["state"]],
+            "scalars": optimizer_scalars,
+        },
+        "rng": {
+            "python": list(snapshot.rng["python"]),
+            "numpy": [numpy_state[0], numpy_state[1].tolist(), *numpy_state[2:]],
+        },
+        "model_aliases": aliases,
+        "config": snapshot.config,
+    }
+    return {
+        "model.safetensors": save_tensors(model),
+        "state.safetensors": save_tensors(tensors),
+        "state.json": json.dumps(state).encode(),
+    }
+
+
+def read_state(verified: Verified) -> dict[str, Any]:
+    """Just `state.json` of a verified checkpoint (for `inspect`: no tensors needed)."""
+    try:
+        state: dict[str, Any] = json.loads(verified.read_bytes("state.json"))
+    except (KeyError, json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise CheckpointError(f"{verified.path / 'state.json'}: unreadable ({err})") from None
+    return state
+
+
+def decode(verified: Verified) -> Snapshot:
+    """Reads a verified checkpoint back into a Snapshot."""
+    state = read_state(verified)
+    try:
+        model = load_tensors(verified.read_bytes("model.safetensors"))
+        tensors = load_tensors(verified.read_bytes("state.safetensors"))
+    except (KeyError, ValueError, SafetensorError) as err:
+        raise CheckpointError(f"{verified.path}: tensors unreadable ({err})") from None
+    for alias, name in state["model_aliases"].items():
+        model[alias] = model[name]
+    opt = state["optimizer"]
+    optimizer_state: dict[int, dict[str, Any]] = {}
+    for index in opt["state_indices"]:
+        prefix = f"optimizer/{index}/"
+        entry: dict[str, Any] = {
+            k[len(prefix) :]: v for k, v in tensors.items() if k.startswith(prefix)
+        }
+        entry.update(opt["scalars"].get(index, {}))
+        optimizer_state[int(index)] = entry
+    param_groups = [
+        {**g, "betas": tuple(g["betas"])} if "betas" in g else g for g in opt["param_groups"]
+    ]
+    groups = []
+    for meta in state["buffer"]["groups"]:
+        ordinal = meta["ticket"]["ordinal"]
+        groups.append({**meta, **{k: tensors[f"buffer/{ordinal}/{k}"] for k in GROUP_TENSORS}})
+    python_rng = state["rng"]["python"]
+    return Snapshot(
+        trainer=state["trainer"],
+        model=model,
+        optimizer={"state": optimizer_state, "param_groups": param_groups},
+        ledger=state["ledger"],
+        buffer={"groups": groups},
+        rng={"python": python_rng, "numpy": state["rng"]["numpy"], "torch": tensors["rng/torch"]},
+        config=state["config"],
+    )

@@ -1,0 +1,87 @@
+"""Resume policies: what a resume keeps, re-dispatches, skips and discards. Pure planning over
+the ledger and buffer contents of one checkpoint; `asyncrl inspect` prints the same plans.
+
+- `lossless`: keep every buffered group; dispatch the in-flight ordinals again, first, to their
+  original targets; the stream continues from its true frontier. I1 and I3 hold.
+- `keep_incomplete` (NeMo RL main, async GRPO): the stream resumes from its read-ahead place, so
+  in-flight ordinals are skipped; short targets are topped up from the next prompts.
+- `drop_incomplete` (NeMo RL async PPO): as keep_incomplete, and the buffered groups of every
+  short target are deleted too, so those targets are refilled whole from the next prompts.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+ResumePolicy = Literal["lossless", "keep_incomplete", "drop_incomplete"]
+POLICIES: tuple[ResumePolicy, ...] = ("lossless", "keep_incomplete", "drop_incomplete")
+
+
+@dataclass(frozen=True)
+class SavedLedger:
+    """What a checkpoint says about ordinals: each is (ordinal, target_step)."""
+
+    step: int
+    num_prompts_per_step: int
+    cursor: int
+    in_flight: list[tuple[int, int]]
+    buffered: list[tuple[int, int]]
+
+    def buffered_per_target(self) -> dict[int, int]:
+        counts: dict[int, int] = {}
+        for _, target in self.buffered:
+            counts[target] = counts.get(target, 0) + 1
+        return dict(sorted(counts.items()))
+
+
+@dataclass
+class ResumePlan:
+    policy: ResumePolicy
+    kept: list[int] = field(default_factory=list)
+    """Buffered ordinals that stay in the buffer."""
+    discarded: list[int] = field(default_factory=list)
+    """Buffered ordinals deleted: their finished groups are thrown away."""
+    redispatched: list[tuple[int, int]] = field(default_factory=list)
+    """(ordinal, target) dispatched again, first."""
+    skipped: list[int] = field(default_factory=list)
+    """Ordinals handed out before the checkpoint that no step will ever train."""
+    fills: list[int] = field(default_factory=list)
+    """Targets of the next fresh ordinals from the cursor (lossy refills), in order."""
+    next_target: int = 0
+    """After the fills, full steps start at this target."""
+    messages: list[str] = field(default_factory=list)
+
+    @property
+    def num_regenerated(self) -> int:
+        """Groups generated again for targets the checkpoint had already started."""
+        return len(self.redispatched) + len(self.fills)
+
+
+def plan_resume(saved: SavedLedger, policy: ResumePolicy) -> ResumePlan:
+    n = saved.num_prompts_per_step
+    if policy == "lossless":
+        return ResumePlan(
+            policy=policy,
+            kept=sorted(k for k, _ in saved.buffered),
+            redispatched=sorted(saved.in_flight),
+        )
+    counts = saved.buffered_per_target()
+    started = [t for _, t in saved.buffered + saved.in_flight]
+    last_target = max(started, default=saved.step - 1)
+    short = {t: c for t, c in counts.items() if c < n}
+    plan = ResumePlan(policy=policy, skipped=sorted(k for k, _ in saved.in_flight))
+    if policy == "drop_incomplete":
+        plan.kept = sorted(k for k, t in saved.buffered if t not in short)
+        plan.discarded = sorted(k for k, t in saved.buffered if t in short)
+        if short:
+            listed = ", ".join(f"{t}={c}/{n}" for t, c in short.items())
+            plan.messages.append(f"Dropping incomplete restored targets: {listed}")
+        counts = {t: c for t, c in counts.items() if t not in short}
+    else:
+        plan.kept = sorted(k for k, _ in saved.buffered)
+        plan.messages.extend(f"Incomplete target {t}: {c}/{n}" for t, c in short.items())
+    for target in range(saved.step, last_target + 1):
+        plan.fills.extend([target] * (n - counts.get(target, 0)))
+    plan.next_target = max(last_target + 1, saved.step)
+    return plan

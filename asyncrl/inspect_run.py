@@ -1,0 +1,106 @@
+"""`asyncrl inspect DIR`: the newest verified checkpoint and what resuming it would cost under
+each resume policy — the seed's "what one checkpoint costs you" table, for this run."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from asyncrl.checkpoint.snapshot import read_state
+from asyncrl.checkpoint.store import CheckpointStore
+from asyncrl.core.resume import POLICIES, SavedLedger, plan_resume
+
+
+class InspectError(RuntimeError):
+    pass
+
+
+def inspect_run_dir(run_dir: Path) -> dict[str, Any]:
+    run_json = run_dir / "run.json"
+    if not run_json.is_file():
+        raise InspectError(f"{run_dir}: not a run dir (no run.json)")
+    store = CheckpointStore(run_dir / "checkpoints", json.loads(run_json.read_text())["run_id"])
+    latest, rejected = store.latest()
+    if latest is None:
+        return {"run_dir": str(run_dir), "checkpoint": None, "rejected": rejected}
+    state = read_state(latest)
+    n = int(state["config"]["rollout"]["num_prompts_per_step"])
+    step = int(state["trainer"]["step"])
+    buffered = [
+        (g["ticket"]["ordinal"], g["ticket"]["target_step"]) for g in state["buffer"]["groups"]
+    ]
+    in_flight = [(int(k), int(t)) for k, t in state["ledger"]["in_flight"]]
+    saved = SavedLedger(step, n, int(state["ledger"]["stream"]["cursor"]), in_flight, buffered)
+    targets = sorted({t for _, t in buffered + in_flight})
+    per_target = {
+        str(t): {
+            "buffered": sum(1 for _, x in buffered if x == t),
+            "in_flight": sum(1 for _, x in in_flight if x == t),
+            "complete": sum(1 for _, x in buffered if x == t) == n,
+        }
+        for t in targets
+    }
+    costs = {}
+    for policy in POLICIES:
+        plan = plan_resume(saved, policy)
+        costs[policy] = {
+            "prompts_skipped": len(plan.skipped),
+            "finished_groups_discarded": len(plan.discarded),
+            "groups_regenerated": plan.num_regenerated,
+            "messages": plan.messages,
+        }
+    return {
+        "run_dir": str(run_dir),
+        "checkpoint": str(latest.path),
+        "step": step,
+        "num_prompts_per_step": n,
+        "ledger": {
+            "trained": step * n,
+            "buffered": len(buffered),
+            "in_flight": len(in_flight),
+            "handed_out": saved.cursor,
+        },
+        "targets": per_target,
+        "in_flight_ordinals": sorted(k for k, _ in in_flight),
+        "resume_cost": costs,
+        "rejected": rejected,
+    }
+
+
+def render(info: dict[str, Any]) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    console = Console()
+    for reason in info["rejected"]:
+        console.print(f"[yellow]rejected:[/] {reason}")
+    if info["checkpoint"] is None:
+        console.print(f"{info['run_dir']}: no verified checkpoint")
+        return
+    ledger = info["ledger"]
+    console.print(
+        f"[bold]{info['checkpoint']}[/]  step {info['step']}, N={info['num_prompts_per_step']}\n"
+        f"ledger: trained {ledger['trained']}, buffered {ledger['buffered']}, in flight "
+        f"{ledger['in_flight']}, handed out {ledger['handed_out']}"
+    )
+    targets = Table(title="buffer per target step")
+    for column in ("target", "buffered", "in flight", "complete"):
+        targets.add_column(column, justify="right")
+    for t, row in info["targets"].items():
+        targets.add_row(
+            t, str(row["buffered"]), str(row["in_flight"]), "yes" if row["complete"] else "no"
+        )
+    console.print(targets)
+    console.print(f"in-flight ordinals: {info['in_flight_ordinals']}")
+    costs = Table(title="what resuming this checkpoint costs")
+    for column in ("policy", "prompts skipped", "finished groups discarded", "groups regenerated"):
+        costs.add_column(column, justify="right")
+    for policy, cost in info["resume_cost"].items():
+        costs.add_row(
+            policy,
+            str(cost["prompts_skipped"]),
+            str(cost["finished_groups_discarded"]),
+            str(cost["groups_regenerated"]),
+        )
+    console.print(costs)

@@ -1,0 +1,58 @@
+"""Builds everything one run is made of from its config."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from asyncrl.config import Config
+from asyncrl.core.buffer import ReplayBuffer
+from asyncrl.core.ledger import Ledger
+from asyncrl.core.stream import PromptStream
+from asyncrl.core.types import PromptTicket
+from asyncrl.models.policy import Policy, load_policy
+from asyncrl.rollout.collector import Collector, Scorer, encode_prompts
+from asyncrl.rollout.engine import TorchGenerationEngine
+from asyncrl.tasks.source import Task, load_task
+from asyncrl.train.grpo import GRPO
+
+OnBatch = Callable[[float, float, int, list[PromptTicket]], None]
+
+
+@dataclass
+class Components:
+    policy: Policy
+    task: Task
+    stream: PromptStream
+    ledger: Ledger
+    buffer: ReplayBuffer
+    engine: TorchGenerationEngine
+    collector: Collector
+    algo: GRPO
+
+
+def build_components(config: Config, on_batch: OnBatch | None = None) -> Components:
+    rollout = config.rollout
+    task = load_task(config.data)
+    policy = load_policy(config.model, config.run.seed, task.alphabet())
+    prompts = encode_prompts(task, policy.tokenizer, rollout.max_new_tokens, policy.max_seq_len)
+    stream = PromptStream(len(task.examples), rollout.num_prompts_per_step, config.run.seed)
+    ledger = Ledger(stream)
+    buffer = ReplayBuffer(rollout.num_prompts_per_step, rollout.max_trajectory_age_steps)
+    engine = TorchGenerationEngine(
+        policy.model, policy.eos_id, policy.pad_id, rollout.max_new_tokens, rollout.temperature
+    )
+    collector = Collector(
+        ledger=ledger,
+        buffer=buffer,
+        engine=engine,
+        prompts=prompts,
+        scorer=Scorer(task, policy.tokenizer),
+        num_generations=rollout.num_generations_per_prompt,
+        max_age_steps=rollout.max_trajectory_age_steps,
+        seed=config.run.seed,
+        batch_groups=rollout.num_prompts_per_step,
+        on_batch=on_batch,
+    )
+    algo = GRPO(policy.model, config.algo, rollout.temperature, policy.pad_id)
+    return Components(policy, task, stream, ledger, buffer, engine, collector, algo)

@@ -1,0 +1,162 @@
+"""Atomic, verified checkpoints (I4) and safe loading (I7)."""
+
+from __future__ import annotations
+
+import json
+import os
+import pickle
+
+import pytest
+import torch
+from helpers import small_config
+
+from asyncrl.checkpoint.snapshot import Snapshot, capture_rng, decode, encode
+from asyncrl.checkpoint.store import CheckpointError, CheckpointStore
+
+
+def save_steps(store: CheckpointStore, *steps: int) -> None:
+    for step in steps:
+        store.save(step, {"a.bin": f"step {step}".encode(), "b.bin": b"\x00" * step}, "hash")
+
+
+def test_a_saved_checkpoint_verifies_and_has_a_manifest_of_every_file(tmp_path):
+    store = CheckpointStore(tmp_path, run_id="r1")
+    saved = store.save(7, {"a.bin": b"hello", "b.bin": b"world!"}, config_hash="c0ffee")
+    assert saved.path == tmp_path / "step_000007" and saved.num_bytes == 11
+    manifest = json.loads((saved.path / "manifest.json").read_text())
+    assert manifest["run_id"] == "r1" and manifest["step"] == 7
+    assert manifest["files"]["a.bin"]["bytes"] == 5
+    latest, rejected = store.latest()
+    assert latest is not None and latest.step == 7 and rejected == []
+    assert not list(tmp_path.glob(".tmp-*"))
+
+
+@pytest.mark.parametrize(
+    ("damage", "reason"),
+    [
+        (lambda d: (d / "manifest.json").unlink(), "manifest.json: missing (torn write)"),
+        (lambda d: (d / "manifest.json").write_text("{"), "manifest.json: not valid JSON"),
+        (lambda d: (d / "a.bin").unlink(), "a.bin: missing (step 2)"),
+        (lambda d: (d / "b.bin").write_bytes(b"\x00"), "b.bin: size 1 bytes, manifest expects 2"),
+        (lambda d: (d / "a.bin").write_bytes(b"step 3"), "a.bin: SHA-256"),
+    ],
+)
+def test_a_damaged_newest_checkpoint_is_rejected_and_the_previous_one_loads(
+    tmp_path, damage, reason
+):
+    store = CheckpointStore(tmp_path, run_id="r1")
+    save_steps(store, 1, 2)
+    damage(tmp_path / "step_000002")
+    latest, rejected = store.latest()
+    assert latest is not None and latest.step == 1
+    assert len(rejected) == 1 and reason in rejected[0]
+
+
+def test_a_checkpoint_of_another_run_or_step_is_never_loaded(tmp_path):
+    save_steps(CheckpointStore(tmp_path, run_id="other"), 5)
+    store = CheckpointStore(tmp_path, run_id="r1")
+    save_steps(store, 3)
+    latest, rejected = store.latest()
+    assert latest.step == 3 and "belongs to run 'other'" in rejected[0]
+    os.rename(tmp_path / "step_000003", tmp_path / "step_000004")
+    latest, rejected = store.latest()
+    assert latest is None and "says step 3, directory says step 4" in rejected[1]
+
+
+def test_a_leftover_temp_dir_is_never_counted_as_a_checkpoint(tmp_path):
+    store = CheckpointStore(tmp_path, run_id="r1")
+    save_steps(store, 1)
+    torn = tmp_path / ".tmp-step_000002-r1"
+    torn.mkdir()
+    (torn / "a.bin").write_bytes(b"half")
+    assert store.latest()[0].step == 1
+    store.retain(keep_last=3)
+    assert not torn.exists()
+
+
+def test_retention_keeps_the_newest_verified_and_never_touches_other_directories(tmp_path):
+    store = CheckpointStore(tmp_path, run_id="r1")
+    save_steps(store, 1, 2, 3, 4)
+    save_steps(CheckpointStore(tmp_path, run_id="other"), 9)
+    (tmp_path / "step_000004" / "a.bin").write_bytes(b"broken")  # newest is corrupt
+    deleted = store.retain(keep_last=2)
+    assert sorted(p.name for p in deleted) == ["step_000001"]
+    remaining = sorted(p.name for p in tmp_path.iterdir())
+    assert remaining == ["step_000002", "step_000003", "step_000004", "step_000009"]
+
+
+def test_an_existing_checkpoint_is_never_overwritten(tmp_path):
+    store = CheckpointStore(tmp_path, run_id="r1")
+    save_steps(store, 1)
+    with pytest.raises(CheckpointError, match="already exists"):
+        save_steps(store, 1)
+
+
+def snapshot_of_a_tiny_run() -> Snapshot:
+    from asyncrl.train.components import build_components
+
+    parts = build_components(small_config())
+    model = parts.policy.model
+    model(input_ids=torch.tensor([[4, 5, 6]])).logits.mean().backward()
+    parts.algo.optimizer.step()  # AdamW now has exp_avg, exp_avg_sq and step tensors
+    return Snapshot(
+        trainer={"step": 3, "weights_version": 3, "attempt": 0, "run_id": "r1"},
+        model=parts.policy.model.state_dict(),
+        optimizer=parts.algo.optimizer.state_dict(),
+        ledger=parts.ledger.state_dict(),
+        buffer=parts.buffer.state_dict(),
+        rng=capture_rng(),
+        config=small_config().to_dict(),
+    )
+
+
+def test_a_snapshot_round_trips_through_the_files_bit_for_bit(tmp_path):
+    snapshot = snapshot_of_a_tiny_run()
+    store = CheckpointStore(tmp_path, run_id="r1")
+    store.save(3, encode(snapshot), "h")
+    back = decode(store.latest()[0])
+    assert back.trainer == snapshot.trainer and back.config == snapshot.config
+    assert set(back.model) == set(snapshot.model)
+    for name, tensor in snapshot.model.items():
+        assert torch.equal(back.model[name], tensor), name
+    assert torch.equal(back.rng["torch"], snapshot.rng["torch"])
+    assert back.rng["python"] == [
+        list(x) if isinstance(x, tuple) else x for x in snapshot.rng["python"]
+    ]
+    before, after = snapshot.optimizer, back.optimizer
+    assert after["param_groups"] == before["param_groups"]
+    assert before["state"] and set(after["state"]) == set(before["state"])
+    for index, entry in before["state"].items():
+        for key, value in entry.items():
+            assert torch.equal(after["state"][index][key], value), (index, key)
+
+
+def test_a_planted_pickle_payload_never_runs(tmp_path):
+    marker = tmp_path / "pwned"
+
+    class Payload:
+        def __reduce__(self):
+            return (open, (str(marker), "w"))
+
+    store = CheckpointStore(tmp_path / "ckpt", run_id="r1")
+    store.save(3, encode(snapshot_of_a_tiny_run()), "h")
+    step_dir = tmp_path / "ckpt" / "step_000003"
+    # An attacker swaps the weights for a pickle and fixes up the manifest to match.
+    evil = pickle.dumps(Payload())
+    (step_dir / "model.safetensors").write_bytes(evil)
+    (step_dir / "extra.pt").write_bytes(evil)
+    manifest = json.loads((step_dir / "manifest.json").read_text())
+    import hashlib
+
+    manifest["files"]["model.safetensors"] = {
+        "bytes": len(evil),
+        "sha256": hashlib.sha256(evil).hexdigest(),
+    }
+    (step_dir / "manifest.json").write_text(json.dumps(manifest))
+    latest, _ = store.latest()
+    with pytest.raises(CheckpointError, match="tensors unreadable"):
+        decode(latest)
+    assert not marker.exists()
+    # the control: the same payload does run when unpickled, so the test could fail
+    pickle.loads(evil)
+    assert marker.exists()

@@ -1,0 +1,166 @@
+"""Real processes, real signals: `asyncrl train` is SIGKILLed at random moments and during a
+checkpoint write, resumed each time, and must end with every step trained on exactly its own
+ordinals (I1), every ordinal trained once, and no buffered group generated twice (I3)."""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from helpers import read_records
+
+pytestmark = pytest.mark.slow
+
+N = 4
+CRASH_RUN = [
+    "run.max_num_steps=45",
+    f"rollout.num_prompts_per_step={N}",
+    "rollout.num_generations_per_prompt=4",
+    "rollout.max_trajectory_age_steps=2",
+    "checkpoint.save_period=3",
+    "checkpoint.keep_last=2",
+    "logging.progress=false",
+    "logging.plot=false",
+]
+
+
+def launch(run_dir: Path, repo_root: Path, *extra: str, fault: str = "") -> subprocess.Popen:
+    env = {**os.environ, "PYTHONWARNINGS": "ignore", "ASYNCRL_FAULT": fault}
+    command = [sys.executable, "-m", "asyncrl.cli", "train", str(repo_root / "configs/demo.yaml")]
+    return subprocess.Popen(
+        [*command, "--run-dir", str(run_dir), *CRASH_RUN, *extra],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+
+
+def count_lines(path: Path) -> int:
+    return len(path.read_text().splitlines()) if path.exists() else 0
+
+
+def kill_after_steps(proc: subprocess.Popen, run_dir: Path, more_steps: int) -> bool:
+    """SIGKILLs `proc` once metrics.jsonl has grown by `more_steps` lines; False if it ended
+    first."""
+    target = count_lines(run_dir / "metrics.jsonl") + more_steps
+    deadline = time.monotonic() + 120
+    while proc.poll() is None and time.monotonic() < deadline:
+        if count_lines(run_dir / "metrics.jsonl") >= target:
+            proc.send_signal(signal.SIGKILL)
+            proc.wait(30)
+            return True
+        time.sleep(0.01)
+    proc.wait(30)
+    return False
+
+
+def finish(run_dir: Path, repo_root: Path, *extra: str) -> str:
+    proc = launch(run_dir, repo_root, *extra)
+    out, _ = proc.communicate(timeout=300)
+    assert proc.returncode == 0, out
+    return out
+
+
+def generations_per_ordinal(run_dir: Path) -> dict[int, list[int]]:
+    """ordinal -> the attempts in which it was generated, from timeline.jsonl."""
+    seen: dict[int, list[int]] = {}
+    for span in read_records(run_dir / "timeline.jsonl"):
+        if span["kind"] == "generate":
+            for k in span["ordinals"]:
+                seen.setdefault(k, []).append(span["attempt"])
+    return seen
+
+
+def audit(run_dir: Path) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "asyncrl.cli", "audit", str(run_dir)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+
+
+def test_random_sigkills_and_a_kill_mid_checkpoint_lose_nothing(tmp_path, repo_root):
+    run = tmp_path / "run"
+    rng = random.Random(1234)
+    # 1: killed by SIGKILL while writing the second checkpoint's first file
+    proc = launch(run, repo_root, fault="checkpoint.file_written:4")
+    out, _ = proc.communicate(timeout=120)
+    assert proc.returncode == -signal.SIGKILL, out
+    assert list((run / "checkpoints").glob(".tmp-step_000006-*")), "died mid-write"
+    # 2-4: killed at random moments
+    kills = 1
+    for _ in range(3):
+        kills += kill_after_steps(launch(run, repo_root), run, rng.randint(2, 9))
+    assert kills == 4
+    finish(run, repo_root)
+
+    metrics = read_records(run / "metrics.jsonl")
+    final = {r["step"]: r for r in metrics}
+    assert sorted(final) == list(range(45))
+    for t, record in final.items():
+        assert record["prompt_ordinals"] == list(range(t * N, (t + 1) * N))  # I1
+    assert max(r["attempt"] for r in metrics) == 4
+    events = read_records(run / "events.jsonl")
+    resumes = [e for e in events if e["event"] == "resume"]
+    assert len(resumes) >= 3 and all(e["skipped_ordinals"] == [] for e in resumes)
+    generated = generations_per_ordinal(run)
+    for resume in resumes:  # I3: a group buffered in a checkpoint is never generated again
+        for k in resume["kept_groups"]:
+            later = [a for a in generated[k] if a >= resume["attempt"]]
+            assert later == [], f"ordinal {k} kept at attempt {resume['attempt']}, regenerated"
+    done = audit(run)
+    assert done.returncode == 0, done.stdout
+    assert "45 steps" in done.stdout and "I1 ok, I3 ok" in done.stdout
+
+
+def test_the_same_crash_under_drop_incomplete_is_caught_by_the_audit(tmp_path, repo_root):
+    run = tmp_path / "run"
+    # killed right after the second checkpoint became durable: it has prompts in flight
+    proc = launch(run, repo_root, fault="checkpoint.parent_fsynced:2")
+    proc.communicate(timeout=120)
+    assert proc.returncode == -signal.SIGKILL
+    out = finish(run, repo_root, "checkpoint.resume_policy=drop_incomplete")
+    (resume,) = [e for e in read_records(run / "events.jsonl") if e["event"] == "resume"]
+    assert resume["skipped_ordinals"], "the checkpoint had prompts in flight"
+    assert "resumed at step 6" in out
+    done = audit(run)
+    assert done.returncode == 1
+    skipped = resume["skipped_ordinals"]
+    assert f"ordinals below the frontier never trained: {skipped[0]}-{skipped[-1]}" in done.stdout
+    assert "I1: step" in done.stdout
+
+
+def test_sigterm_writes_an_emergency_checkpoint_and_the_resume_redoes_nothing_finished(
+    tmp_path, repo_root
+):
+    run = tmp_path / "run"
+    proc = launch(run, repo_root, "run.max_num_steps=400", "checkpoint.save_period=1000")
+    while count_lines(run / "metrics.jsonl") < 7 and proc.poll() is None:
+        time.sleep(0.01)
+    proc.send_signal(signal.SIGTERM)
+    out, _ = proc.communicate(timeout=60)
+    assert proc.returncode == 75, out
+    events = read_records(run / "events.jsonl")
+    assert [e["event"] for e in events][-2:] == ["checkpoint", "signal"]
+    stopped_at = events[-1]["step"]
+    assert events[-1]["signal"] == "SIGTERM" and stopped_at >= 7
+    assert (run / "checkpoints" / f"step_{stopped_at:06d}" / "manifest.json").is_file()
+    buffered_at_stop = events[-2]["buffered"]
+
+    out = finish(run, repo_root, "run.max_num_steps=" + str(stopped_at + 3))
+    (resume,) = [e for e in read_records(run / "events.jsonl") if e["event"] == "resume"]
+    assert resume["from_step"] == stopped_at
+    assert len(resume["kept_groups"]) == buffered_at_stop
+    assert not set(resume["reissued_ordinals"]) & set(resume["kept_groups"])
+    trained_before = {k for r in read_records(run / "metrics.jsonl") if r["attempt"] == 0
+                      for k in r["prompt_ordinals"]}  # fmt: skip
+    assert not set(resume["reissued_ordinals"]) & trained_before
+    assert audit(run).returncode == 0
