@@ -21,6 +21,8 @@ only admission and completion wait while the cut is copied).
 
 from __future__ import annotations
 
+import contextlib
+import copy
 import time
 from pathlib import Path
 from typing import Any
@@ -29,8 +31,9 @@ import torch
 import transformers
 from tqdm import tqdm
 
-from asyncrl.checkpoint.snapshot import Snapshot, capture_rng, decode, encode, restore_rng
-from asyncrl.checkpoint.store import CheckpointError, Saved
+from asyncrl.checkpoint.snapshot import Snapshot, capture_rng, decode, restore_rng
+from asyncrl.checkpoint.store import CheckpointError
+from asyncrl.checkpoint.writer import CheckpointWriter
 from asyncrl.config import Config, benign_differences, config_hash
 from asyncrl.core.resume import ResumePlan, SavedLedger, plan_resume
 from asyncrl.core.types import Group, PromptTicket
@@ -65,6 +68,12 @@ class Trainer:
         self.last_saved_step = -1
         self._start_s = time.perf_counter()
         self.resume_plan: ResumePlan | None = None
+        self.writer = CheckpointWriter(
+            run.store,
+            config_hash(config),
+            config.checkpoint.keep_last,
+            lambda fields: self.events.emit("checkpoint", **fields),
+        )
 
     # --- state ----------------------------------------------------------------------------
 
@@ -181,6 +190,7 @@ class Trainer:
                     raise Preempted(self.stop.signal_name or "signal")
             if self.last_saved_step != self.step:
                 self.checkpoint()
+            self.writer.wait()  # exit 0 only with the final checkpoint written and verified
         except Preempted as stop:
             self._on_preempted(stop)
             raise
@@ -199,6 +209,7 @@ class Trainer:
         self.parts.collector.stop(timeout_s=5.0)  # let a batch in progress land, briefly
         if self.last_saved_step != self.step:
             self.checkpoint()
+        self.writer.wait()
         self.events.emit("signal", signal=stop.signal_name, step=self.step)
         print(
             f"asyncrl: {stop.signal_name}: checkpoint of step {self.step} written; run the same "
@@ -241,29 +252,23 @@ class Trainer:
         self.step = step + 1
         return record
 
-    def checkpoint(self) -> Saved:
-        """Writes and verifies the checkpoint of the current step, then applies retention."""
+    def checkpoint(self, wait: bool = False) -> None:
+        """Copies the current step's state and hands it to the background writer, which
+        writes, verifies and retains; `wait=True` also blocks until that is done."""
         start = time.perf_counter()
         snapshot, pause_s = self.state_dict()
-        files = encode(snapshot)
-        store = self.run.store
-        saved = store.save(self.step, files, config_hash(self.config))
-        store.verify(saved.path, self.step)
-        deleted = store.retain(self.config.checkpoint.keep_last)
+        snapshot.model = {k: v.detach().clone() for k, v in snapshot.model.items()}
+        snapshot.optimizer = copy.deepcopy(snapshot.optimizer)
+        info = {
+            "blocked_s": time.perf_counter() - start,
+            "pause_s": pause_s,
+            "in_flight": len(snapshot.ledger["in_flight"]),
+            "buffered": len(snapshot.buffer["groups"]),
+        }
+        self.writer.submit(self.step, snapshot, info)
         self.last_saved_step = self.step
-        self.events.emit(
-            "checkpoint",
-            step=self.step,
-            seconds=time.perf_counter() - start,
-            write_s=saved.seconds,
-            pause_s=pause_s,
-            bytes=saved.num_bytes,
-            path=str(saved.path),
-            in_flight=len(snapshot.ledger["in_flight"]),
-            buffered=len(snapshot.buffer["groups"]),
-            deleted=[str(p) for p in deleted],
-        )
-        return saved
+        if wait:
+            self.writer.wait()
 
     def _publish_weights(self, version: int) -> None:
         self.parts.engine.update_weights(self.parts.policy.model.state_dict(), version)
@@ -341,6 +346,8 @@ def train(config: Config, run_dir: Path, stop: StopRequest | None = None) -> str
     try:
         return trainer.run_to_end()
     except BaseException:
+        with contextlib.suppress(BaseException):
+            trainer.writer.wait()  # a write in progress is still a good checkpoint
         trainer.close()
         raise
 
