@@ -30,6 +30,7 @@ test: lint
 
 bench: setup
 	$(BIN)/python benchmarks/overlap.py
+	$(BIN)/python benchmarks/resume_cost.py
 
 docs: setup
 	$(BIN)/python scripts/update_readme.py

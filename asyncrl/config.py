@@ -122,6 +122,9 @@ class RolloutConfig:
     max_trajectory_age_steps: int = 1
     """A: a group trained at step t was generated with weights versions in [t-A, t].
     0 is exactly synchronous, on-policy training."""
+    groups_per_batch: int = 0
+    """Prompt groups the engine generates together in one batch; 0 means N (one step's worth).
+    Smaller batches make groups land in the buffer a few at a time."""
     backend: Literal["threads"] = "threads"
     """Where generation runs: `threads` is a background thread in this process."""
 
@@ -129,6 +132,9 @@ class RolloutConfig:
         for key in ("num_prompts_per_step", "num_generations_per_prompt", "max_new_tokens"):
             _require(getattr(self, key) >= 1, f"rollout.{key}", getattr(self, key), ">= 1")
         _require(self.temperature > 0, "rollout.temperature", self.temperature, "> 0")
+        _require(
+            self.groups_per_batch >= 0, "rollout.groups_per_batch", self.groups_per_batch, ">= 0"
+        )
         _require(
             self.max_trajectory_age_steps >= 0,
             "rollout.max_trajectory_age_steps",

@@ -27,7 +27,7 @@ FROZEN_CONFIG_KEYS = [
     "data.task", "data.path", "data.reward_fn", "data.num_digits", "data.num_examples",
     "rollout.num_prompts_per_step", "rollout.num_generations_per_prompt",
     "rollout.max_new_tokens", "rollout.temperature", "rollout.max_trajectory_age_steps",
-    "rollout.backend",
+    "rollout.groups_per_batch", "rollout.backend",
     "algo.name", "algo.lr", "algo.weight_decay", "algo.max_grad_norm", "algo.clip_eps",
     "checkpoint.save_period", "checkpoint.keep_last", "checkpoint.resume_policy",
     "logging.progress", "logging.tensorboard", "logging.plot",

@@ -51,7 +51,7 @@ def build_components(config: Config, on_batch: OnBatch | None = None) -> Compone
         num_generations=rollout.num_generations_per_prompt,
         max_age_steps=rollout.max_trajectory_age_steps,
         seed=config.run.seed,
-        batch_groups=rollout.num_prompts_per_step,
+        batch_groups=rollout.groups_per_batch or rollout.num_prompts_per_step,
         on_batch=on_batch,
     )
     algo = GRPO(policy.model, config.algo, rollout.temperature, policy.pad_id)
