@@ -220,7 +220,7 @@ SECTIONS: dict[str, type] = dict(typing.get_type_hints(Config))
 
 
 BENIGN_KEYS = frozenset(
-    {"run.max_num_steps", "run.torch_threads", "rollout.backend"}
+    {"run.max_num_steps", "run.torch_threads", "rollout.backend", "rollout.groups_per_batch"}
     | {f"checkpoint.{f.name}" for f in dataclasses.fields(CheckpointConfig)}
     | {f"logging.{f.name}" for f in dataclasses.fields(LoggingConfig)}
 )

@@ -164,3 +164,42 @@ def test_sigterm_writes_an_emergency_checkpoint_and_the_resume_redoes_nothing_fi
                       for k in r["prompt_ordinals"]}  # fmt: skip
     assert not set(resume["reissued_ordinals"]) & trained_before
     assert audit(run).returncode == 0
+
+
+def test_inspect_predicts_what_each_resume_policy_then_does(tmp_path, repo_root):
+    import json
+    import shutil
+
+    base = tmp_path / "base"
+    proc = launch(
+        base, repo_root, "rollout.groups_per_batch=1", fault="checkpoint.parent_fsynced:2"
+    )
+    proc.communicate(timeout=120)
+    assert proc.returncode == -signal.SIGKILL
+    shown = subprocess.run(
+        [sys.executable, "-m", "asyncrl.cli", "inspect", str(base), "--json"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert shown.returncode == 0, shown.stderr
+    info = json.loads(shown.stdout)
+    assert info["step"] == 6 and info["checkpoint"].endswith("step_000006")
+    assert info["ledger"]["trained"] == 6 * N
+    table = subprocess.run(
+        [sys.executable, "-m", "asyncrl.cli", "inspect", str(base)], capture_output=True, text=True
+    )
+    assert "what resuming this checkpoint costs" in table.stdout and "lossless" in table.stdout
+    for policy, cost in info["resume_cost"].items():
+        run = tmp_path / policy
+        shutil.copytree(base, run)
+        out = finish(run, repo_root, f"checkpoint.resume_policy={policy}", "run.max_num_steps=9")
+        (resume,) = [e for e in read_records(run / "events.jsonl") if e["event"] == "resume"]
+        assert len(resume["skipped_ordinals"]) == cost["prompts_skipped"]
+        assert len(resume["discarded_groups"]) == cost["finished_groups_discarded"]
+        regenerated = len(resume["reissued_ordinals"]) + len(resume["refilled_targets"])
+        assert regenerated == cost["groups_regenerated"]
+        for line in cost["messages"]:
+            assert line in out
+    assert info["resume_cost"]["lossless"]["prompts_skipped"] == 0
+    assert info["resume_cost"]["lossless"]["groups_regenerated"] == info["ledger"]["in_flight"]

@@ -1,0 +1,45 @@
+"""`asyncrl audit` on hand-written records: it passes a clean history and names the ordinals
+of every kind of violation."""
+
+from asyncrl.audit import audit_records
+
+N = 2
+
+
+def step(t: int, ordinals: list[int], attempt: int = 0) -> dict:
+    return {"step": t, "attempt": attempt, "prompt_ordinals": ordinals}
+
+
+def gen(ordinals: list[int], attempt: int) -> dict:
+    return {"kind": "generate", "attempt": attempt, "ordinals": ordinals}
+
+
+def test_a_clean_history_with_a_retrained_step_passes():
+    metrics = [step(0, [0, 1]), step(1, [2, 3]), step(1, [2, 3], attempt=1), step(2, [4, 5], 1)]
+    report = audit_records(metrics, [], [], N)
+    assert report.ok and report.num_steps == 3 and report.num_ordinals == 6
+
+
+def test_skipped_ordinals_and_a_broken_schedule_are_named():
+    metrics = [step(0, [0, 1]), step(1, [4, 5]), step(2, [6, 7])]
+    report = audit_records(metrics, [], [], N)
+    assert report.violations[0] == "I3: 2 ordinals below the frontier never trained: 2-3"
+    assert "I1: step 1 trained ordinals [4-5], schedule says [2-3]" in report.violations
+
+
+def test_an_ordinal_trained_twice_and_a_missing_step_are_named():
+    metrics = [step(0, [0, 1]), step(2, [1, 5])]
+    report = audit_records(metrics, [], [], N)
+    assert "I1: steps never trained: 1" in report.violations
+    assert "I3: ordinal 1 trained by steps [0, 2]" in report.violations
+
+
+def test_a_kept_group_generated_again_after_the_resume_is_named():
+    metrics = [step(0, [0, 1]), step(1, [2, 3], attempt=1)]
+    resume = {"event": "resume", "attempt": 1, "from_step": 1, "kept_groups": [2, 3]}
+    clean = [gen([0, 1, 2, 3], attempt=0)]
+    assert audit_records(metrics, [resume], clean, N).ok
+    report = audit_records(metrics, [resume], [*clean, gen([3], attempt=1)], N)
+    assert report.violations == [
+        "I3: attempt 1 kept buffered groups from step 1's checkpoint but generated them again: 3"
+    ]
