@@ -63,6 +63,7 @@ def inspect_run_dir(run_dir: Path) -> dict[str, Any]:
         },
         "targets": per_target,
         "in_flight_ordinals": sorted(k for k, _ in in_flight),
+        "buffered_ordinals": sorted(k for k, _ in buffered),
         "resume_cost": costs,
         "rejected": rejected,
     }

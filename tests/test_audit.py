@@ -34,12 +34,23 @@ def test_an_ordinal_trained_twice_and_a_missing_step_are_named():
     assert "I3: ordinal 1 trained by steps [0, 2]" in report.violations
 
 
-def test_a_kept_group_generated_again_after_the_resume_is_named():
-    metrics = [step(0, [0, 1]), step(1, [2, 3], attempt=1)]
-    resume = {"event": "resume", "attempt": 1, "from_step": 1, "kept_groups": [2, 3]}
-    clean = [gen([0, 1, 2, 3], attempt=0)]
-    assert audit_records(metrics, [resume], clean, N).ok
-    report = audit_records(metrics, [resume], [*clean, gen([3], attempt=1)], N)
+def resume_event(kept: list[int], reissued: list[int]) -> dict:
+    return {
+        "event": "resume", "attempt": 1, "from_step": 1, "cursor": 6,
+        "kept_groups": kept, "reissued_ordinals": reissued,
+    }  # fmt: skip
+
+
+def test_after_a_resume_only_the_reissued_ordinals_may_be_generated_again():
+    metrics = [step(0, [0, 1]), step(1, [2, 3], attempt=1), step(2, [4, 5], attempt=1)]
+    before = [gen([0, 1, 2, 3, 4, 5], attempt=0)]
+    resume = resume_event(kept=[2, 3, 4], reissued=[5])
+    assert audit_records(metrics, [resume], [*before, gen([5, 6, 7], attempt=1)], N).ok
+    report = audit_records(metrics, [resume], [*before, gen([3, 5], attempt=1)], N)
     assert report.violations == [
-        "I3: attempt 1 kept buffered groups from step 1's checkpoint but generated them again: 3"
+        "I3: attempt 1 generated kept buffered groups from step 1's checkpoint again: 3"
+    ]
+    report = audit_records(metrics, [resume], [*before, gen([1, 5], attempt=1)], N)
+    assert report.violations == [
+        "I3: attempt 1 generated ordinals from step 1's checkpoint again: 1"
     ]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 import pickle
@@ -9,9 +10,23 @@ import pickle
 import pytest
 import torch
 from helpers import small_config
+from safetensors import safe_open
 
-from asyncrl.checkpoint.snapshot import Snapshot, capture_rng, decode, encode
+from asyncrl.checkpoint.snapshot import (
+    Snapshot,
+    capture_rng,
+    check_cut,
+    clone_state,
+    decode,
+    encode,
+)
 from asyncrl.checkpoint.store import CheckpointError, CheckpointStore
+
+
+def edit_manifest(step_dir, **changes) -> None:
+    manifest = json.loads((step_dir / "manifest.json").read_text())
+    manifest.update(changes)
+    (step_dir / "manifest.json").write_text(json.dumps(manifest))
 
 
 def save_steps(store: CheckpointStore, *steps: int) -> None:
@@ -39,12 +54,15 @@ def test_a_saved_checkpoint_verifies_and_has_a_manifest_of_every_file(tmp_path):
         (lambda d: (d / "a.bin").unlink(), "a.bin: missing (step 2)"),
         (lambda d: (d / "b.bin").write_bytes(b"\x00"), "b.bin: size 1 bytes, manifest expects 2"),
         (lambda d: (d / "a.bin").write_bytes(b"step 3"), "a.bin: SHA-256"),
+        (lambda d: edit_manifest(d, files=None), "manifest.json: malformed file list"),
+        (lambda d: edit_manifest(d, files={"a.bin": 3}), "manifest.json: malformed file list"),
+        (lambda d: edit_manifest(d, files={}), "manifest.json: does not list a.bin, b.bin"),
     ],
 )
 def test_a_damaged_newest_checkpoint_is_rejected_and_the_previous_one_loads(
     tmp_path, damage, reason
 ):
-    store = CheckpointStore(tmp_path, run_id="r1")
+    store = CheckpointStore(tmp_path, run_id="r1", required_files=("a.bin", "b.bin"))
     save_steps(store, 1, 2)
     damage(tmp_path / "step_000002")
     latest, rejected = store.latest()
@@ -85,28 +103,46 @@ def test_retention_keeps_the_newest_verified_and_never_touches_other_directories
     assert remaining == ["step_000002", "step_000003", "step_000004", "step_000009"]
 
 
-def test_an_existing_checkpoint_is_never_overwritten(tmp_path):
+def test_an_existing_checkpoint_is_never_overwritten_and_a_torn_one_is_set_aside(tmp_path):
     store = CheckpointStore(tmp_path, run_id="r1")
     save_steps(store, 1)
-    with pytest.raises(CheckpointError, match="already exists"):
+    with pytest.raises(CheckpointError, match="a verified checkpoint already exists"):
         save_steps(store, 1)
+    (tmp_path / "step_000001" / "a.bin").write_bytes(b"rotten")
+    save_steps(store, 1)  # the unverifiable one is in the way: moved aside, not deleted
+    assert store.latest()[0].step == 1
+    (aside,) = tmp_path.glob(".rejected-step_000001-*")
+    assert (aside / "a.bin").read_bytes() == b"rotten"
 
 
 def snapshot_of_a_tiny_run() -> Snapshot:
+    """A real cut: optimizer with state, groups of two targets buffered, tickets in flight,
+    and the copies the trainer makes."""
+    from asyncrl.rollout.collector import Scorer, make_group, noise_seed
+    from asyncrl.rollout.engine import GenerationRequest
     from asyncrl.train.components import build_components
 
-    parts = build_components(small_config())
+    config = small_config("rollout.max_trajectory_age_steps=1")
+    parts = build_components(config)
     model = parts.policy.model
     model(input_ids=torch.tensor([[4, 5, 6]])).logits.mean().backward()
     parts.algo.optimizer.step()  # AdamW now has exp_avg, exp_avg_sq and step tensors
+    tickets = parts.ledger.admit(weights_version=0, max_age_steps=1, max_count=7)
+    scorer = Scorer(parts.task, parts.policy.tokenizer)
+    tokenizer = parts.policy.tokenizer
+    for ticket in tickets[:5]:
+        ids = tokenizer(parts.task.examples[ticket.dataset_index].prompt)["input_ids"]
+        out = parts.engine.generate([GenerationRequest(ids, 4, noise_seed(0, ticket.ordinal))])[0]
+        parts.buffer.add(make_group(ticket, ids, out, scorer(ticket, out), 0.01))
+        parts.ledger.complete(ticket.ordinal)
     return Snapshot(
-        trainer={"step": 3, "weights_version": 3, "attempt": 0, "run_id": "r1"},
-        model=parts.policy.model.state_dict(),
-        optimizer=parts.algo.optimizer.state_dict(),
+        trainer={"step": 0, "weights_version": 0, "attempt": 0, "run_id": "r1"},
+        model=clone_state(parts.policy.model.state_dict()),
+        optimizer=copy.deepcopy(parts.algo.optimizer.state_dict()),
         ledger=parts.ledger.state_dict(),
         buffer=parts.buffer.state_dict(),
         rng=capture_rng(),
-        config=small_config().to_dict(),
+        config=config.to_dict(),
     )
 
 
@@ -114,12 +150,25 @@ def test_a_snapshot_round_trips_through_the_files_bit_for_bit(tmp_path):
     snapshot = snapshot_of_a_tiny_run()
     store = CheckpointStore(tmp_path, run_id="r1")
     store.save(3, encode(snapshot), "h")
-    back = decode(store.latest()[0])
+    written = store.latest()[0]
+    with safe_open(written.path / "model.safetensors", "pt") as f:
+        names = list(f.keys())
+    assert "lm_head.weight" not in names  # tied weights stored once
+    back = decode(written)
     assert back.trainer == snapshot.trainer and back.config == snapshot.config
     assert set(back.model) == set(snapshot.model)
     for name, tensor in snapshot.model.items():
         assert torch.equal(back.model[name], tensor), name
     assert torch.equal(back.rng["torch"], snapshot.rng["torch"])
+    assert back.rng["numpy"][1] == snapshot.rng["numpy"][1].tolist()
+    assert back.ledger == snapshot.ledger and len(back.ledger["in_flight"]) == 2
+    assert len(back.buffer["groups"]) == 5
+    for got, want in zip(back.buffer["groups"], snapshot.buffer["groups"], strict=True):
+        assert got["ticket"] == want["ticket"] and got["prompt_ids"] == want["prompt_ids"]
+        for key in ("completion_ids", "completion_mask", "behaviour_logprobs", "rewards"):
+            assert got[key].dtype == want[key].dtype and torch.equal(got[key], want[key]), key
+    tied = "model.embed_tokens.weight", "lm_head.weight"
+    assert back.model[tied[0]].data_ptr() == back.model[tied[1]].data_ptr()
     assert back.rng["python"] == [
         list(x) if isinstance(x, tuple) else x for x in snapshot.rng["python"]
     ]
@@ -160,3 +209,19 @@ def test_a_planted_pickle_payload_never_runs(tmp_path):
     # the control: the same payload does run when unpickled, so the test could fail
     pickle.loads(evil)
     assert marker.exists()
+
+
+def test_a_checkpoint_whose_parts_do_not_fit_together_is_refused():
+    snapshot = snapshot_of_a_tiny_run()
+    check_cut(snapshot, num_prompts_per_step=4, capacity=8)  # the real cut is coherent
+    in_flight = snapshot.ledger["in_flight"]
+    snapshot.ledger["in_flight"] = [*in_flight, [0, 0]]  # ordinal 0 is also buffered
+    with pytest.raises(CheckpointError, match=r"both buffered and in flight: \[0\]"):
+        check_cut(snapshot, num_prompts_per_step=4, capacity=8)
+    snapshot.ledger["in_flight"] = in_flight
+    snapshot.trainer["step"] = 1
+    with pytest.raises(CheckpointError, match="groups for targets before step 1"):
+        check_cut(snapshot, num_prompts_per_step=4, capacity=8)
+    snapshot.trainer["step"] = 0
+    with pytest.raises(CheckpointError, match="5 buffered groups, capacity 4"):
+        check_cut(snapshot, num_prompts_per_step=4, capacity=4)

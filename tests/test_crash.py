@@ -15,6 +15,9 @@ from pathlib import Path
 import pytest
 from helpers import read_records
 
+from asyncrl.audit import _ranges
+from asyncrl.faults import POINTS
+
 pytestmark = pytest.mark.slow
 
 N = 4
@@ -133,8 +136,8 @@ def test_the_same_crash_under_drop_incomplete_is_caught_by_the_audit(tmp_path, r
     assert "resumed at step 6" in out
     done = audit(run)
     assert done.returncode == 1
-    skipped = resume["skipped_ordinals"]
-    assert f"ordinals below the frontier never trained: {skipped[0]}-{skipped[-1]}" in done.stdout
+    lost = sorted(resume["skipped_ordinals"] + resume["discarded_groups"])
+    assert f"ordinals below the frontier never trained: {_ranges(lost)}\n" in done.stdout
     assert "I1: step" in done.stdout
 
 
@@ -149,11 +152,12 @@ def test_sigterm_writes_an_emergency_checkpoint_and_the_resume_redoes_nothing_fi
     out, _ = proc.communicate(timeout=60)
     assert proc.returncode == 75, out
     events = read_records(run / "events.jsonl")
-    assert [e["event"] for e in events][-2:] == ["checkpoint", "signal"]
-    stopped_at = events[-1]["step"]
-    assert events[-1]["signal"] == "SIGTERM" and stopped_at >= 7
+    assert [e["event"] for e in events][-2:] == ["signal", "checkpoint"]
+    stopped_at = events[-2]["step"]
+    assert events[-2]["signal"] == "SIGTERM" and stopped_at >= 7
+    assert events[-1]["step"] == stopped_at
     assert (run / "checkpoints" / f"step_{stopped_at:06d}" / "manifest.json").is_file()
-    buffered_at_stop = events[-2]["buffered"]
+    buffered_at_stop = events[-1]["buffered"]
 
     out = finish(run, repo_root, "run.max_num_steps=" + str(stopped_at + 3))
     (resume,) = [e for e in read_records(run / "events.jsonl") if e["event"] == "resume"]
@@ -190,16 +194,45 @@ def test_inspect_predicts_what_each_resume_policy_then_does(tmp_path, repo_root)
         [sys.executable, "-m", "asyncrl.cli", "inspect", str(base)], capture_output=True, text=True
     )
     assert "what resuming this checkpoint costs" in table.stdout and "lossless" in table.stdout
+    n_slots = N * len(info["targets"])
+    never_dispatched = n_slots - info["ledger"]["buffered"] - info["ledger"]["in_flight"]
+    started = {int(t) for t in info["targets"]}
     for policy, cost in info["resume_cost"].items():
         run = tmp_path / policy
         shutil.copytree(base, run)
-        out = finish(run, repo_root, f"checkpoint.resume_policy={policy}", "run.max_num_steps=9")
-        (resume,) = [e for e in read_records(run / "events.jsonl") if e["event"] == "resume"]
-        assert len(resume["skipped_ordinals"]) == cost["prompts_skipped"]
-        assert len(resume["discarded_groups"]) == cost["finished_groups_discarded"]
-        regenerated = len(resume["reissued_ordinals"]) + len(resume["refilled_targets"])
-        assert regenerated == cost["groups_regenerated"]
+        out = finish(run, repo_root, f"checkpoint.resume_policy={policy}", "run.max_num_steps=12")
+        # measured from what the resumed run did, not from its own account of it
+        trained = {k for r in read_records(run / "metrics.jsonl") for k in r["prompt_ordinals"]}
+        skipped = [k for k in info["in_flight_ordinals"] if k not in trained]
+        discarded = [k for k in info["buffered_ordinals"] if k not in trained]
+        generated = sum(
+            1
+            for span in read_records(run / "timeline.jsonl")
+            if span["kind"] == "generate" and span["attempt"] == 1
+            for t in span["targets"]
+            if t in started
+        )
+        assert len(skipped) == cost["prompts_skipped"], policy
+        assert len(discarded) == cost["finished_groups_discarded"], policy
+        assert generated - never_dispatched == cost["groups_regenerated"], policy
         for line in cost["messages"]:
             assert line in out
     assert info["resume_cost"]["lossless"]["prompts_skipped"] == 0
     assert info["resume_cost"]["lossless"]["groups_regenerated"] == info["ledger"]["in_flight"]
+
+
+@pytest.mark.parametrize("point", POINTS)
+def test_a_kill_at_every_crash_point_loses_nothing(tmp_path, repo_root, point):
+    run = tmp_path / "run"
+    short = ["run.max_num_steps=10", "checkpoint.save_period=2", "rollout.groups_per_batch=2"]
+    proc = launch(run, repo_root, *short, fault=f"{point}:3")
+    out, _ = proc.communicate(timeout=120)
+    assert proc.returncode == -signal.SIGKILL, f"{point} never reached: {out}"
+    finish(run, repo_root, *short)
+    final = {r["step"]: r for r in read_records(run / "metrics.jsonl")}
+    assert sorted(final) == list(range(10))
+    for t, record in final.items():
+        assert record["prompt_ordinals"] == list(range(t * N, (t + 1) * N))
+    done = audit(run)
+    assert done.returncode == 0, done.stdout
+    assert not list((run / "checkpoints").glob(".tmp-*")), "temp dirs cleaned up"

@@ -46,3 +46,32 @@ def test_wall_time_keeps_counting_across_attempts(tmp_path):
     train(small_config("run.max_num_steps=5"), run)
     wall = [r["wall_s"] for r in read_records(run / "metrics.jsonl")]
     assert wall == sorted(wall)
+
+
+def test_a_corrupt_newest_checkpoint_falls_back_and_is_set_aside_when_training_passes_it(tmp_path):
+    run = tmp_path / "run"
+    train(small_config("run.max_num_steps=4", "checkpoint.save_period=2"), run)
+    state = run / "checkpoints" / "step_000004" / "state.json"
+    state.write_bytes(state.read_bytes().replace(b'"step": 4', b'"step": 5', 1))
+    summary = train(small_config("run.max_num_steps=6", "checkpoint.save_period=2"), run)
+    assert "6 steps in" in summary
+    (resume,) = [e for e in read_records(run / "events.jsonl") if e["event"] == "resume"]
+    assert resume["from_step"] == 2
+    assert "state.json: SHA-256" in resume["rejected_checkpoints"][0]
+    assert list((run / "checkpoints").glob(".rejected-step_000004-*"))
+    assert audit_run_dir(run).ok
+
+
+def test_a_second_launch_on_a_run_dir_in_use_is_refused_naming_the_holder(tmp_path):
+    import os
+
+    from asyncrl.train.rundir import open_run_dir
+
+    config = small_config()
+    held = open_run_dir(tmp_path / "run", config)
+    with pytest.raises(
+        RunDirError, match=rf"in use by another asyncrl process \(pid {os.getpid()}\)"
+    ):
+        open_run_dir(tmp_path / "run", config)
+    held.lock.close()
+    open_run_dir(tmp_path / "run", config).lock.close()  # free again once the holder is gone

@@ -31,6 +31,7 @@ def test_seed_scenario_drop_incomplete_bins_5_groups_and_takes_7_new_prompts():
     assert plan.skipped == [82, 83]
     assert new_prompts(plan, SEED.cursor) == {11: [84, 85, 86, 87, 88, 89, 90]}
     assert plan.kept == [] and plan.redispatched == []
+    assert plan.num_regenerated == 7  # 5 finished groups binned + 2 in flight, all paid again
 
 
 def test_seed_scenario_keep_incomplete_keeps_5_and_takes_2_new_prompts():
@@ -40,6 +41,7 @@ def test_seed_scenario_keep_incomplete_keeps_5_and_takes_2_new_prompts():
     assert plan.skipped == [82, 83]
     assert new_prompts(plan, SEED.cursor) == {11: [84, 85]}
     assert plan.discarded == []
+    assert plan.num_regenerated == 2
 
 
 def test_seed_scenario_lossless_reissues_the_2_in_flight_prompts_and_skips_nothing():
@@ -48,6 +50,7 @@ def test_seed_scenario_lossless_reissues_the_2_in_flight_prompts_and_skips_nothi
     assert plan.redispatched == [(82, 11), (83, 11)]
     assert plan.skipped == [] and plan.discarded == [] and plan.fills == []
     assert plan.messages == []
+    assert plan.num_regenerated == 2
 
 
 def test_both_lossy_policies_train_seven_groups_at_step_11_but_different_ones():

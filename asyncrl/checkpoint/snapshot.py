@@ -24,6 +24,8 @@ from safetensors.torch import save as save_tensors
 from asyncrl.checkpoint.store import CheckpointError, Verified
 
 GROUP_TENSORS = ("completion_ids", "completion_mask", "behaviour_logprobs", "rewards")
+FILES = ("model.safetensors", "state.safetensors", "state.json")
+"""Every checkpoint holds exactly these (plus manifest.json)."""
 
 
 @dataclass
@@ -53,6 +55,23 @@ def restore_rng(rng: dict[str, Any]) -> None:
     name, keys, pos, has_gauss, cached = rng["numpy"]
     np.random.set_state((name, np.asarray(keys, dtype=np.uint32), pos, has_gauss, cached))
     torch.set_rng_state(rng["torch"])
+
+
+def clone_state(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A private copy of a state dict; tensors that shared memory still share it (so tied
+    weights are still stored once)."""
+    copies: dict[tuple[int, int, tuple[int, ...]], torch.Tensor] = {}
+    out = {}
+    for name, tensor in state.items():
+        key = (
+            tensor.untyped_storage().data_ptr(),
+            int(tensor.storage_offset()),
+            tuple(tensor.shape),
+        )
+        if key not in copies:
+            copies[key] = tensor.detach().clone()
+        out[name] = copies[key]
+    return out
 
 
 def _dedupe(state: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
@@ -120,6 +139,39 @@ def read_state(verified: Verified) -> dict[str, Any]:
     return state
 
 
+def check_cut(snapshot: Snapshot, num_prompts_per_step: int, capacity: int) -> None:
+    """Refuses a snapshot whose parts do not fit together (a checksum only proves the files are
+    the ones written, not that what was written is coherent)."""
+    step = int(snapshot.trainer["step"])
+    cursor = int(snapshot.ledger["stream"]["cursor"])
+    buffered = {
+        int(g["ticket"]["ordinal"]): int(g["ticket"]["target_step"])
+        for g in snapshot.buffer["groups"]
+    }
+    in_flight = {int(k): int(t) for k, t in snapshot.ledger["in_flight"]}
+    problems = []
+    if len(buffered) != len(snapshot.buffer["groups"]):
+        problems.append("an ordinal is buffered twice")
+    if set(buffered) & set(in_flight):
+        problems.append(
+            f"ordinals both buffered and in flight: {sorted(set(buffered) & set(in_flight))}"
+        )
+    targets = {**buffered, **in_flight}
+    if any(t < step for t in targets.values()):
+        problems.append(f"groups for targets before step {step}")
+    if any(k >= cursor for k in targets):
+        problems.append(f"ordinals at or past the stream cursor {cursor}")
+    if len(buffered) > capacity:
+        problems.append(f"{len(buffered)} buffered groups, capacity {capacity}")
+    counts: dict[int, int] = {}
+    for t in targets.values():
+        counts[t] = counts.get(t, 0) + 1
+    if any(c > num_prompts_per_step for c in counts.values()):
+        problems.append(f"more than N={num_prompts_per_step} groups for one target")
+    if problems:
+        raise CheckpointError(f"incoherent checkpoint of step {step}: " + "; ".join(problems))
+
+
 def decode(verified: Verified) -> Snapshot:
     """Reads a verified checkpoint back into a Snapshot."""
     state = read_state(verified)
@@ -128,6 +180,17 @@ def decode(verified: Verified) -> Snapshot:
         tensors = load_tensors(verified.read_bytes("state.safetensors"))
     except (KeyError, ValueError, SafetensorError) as err:
         raise CheckpointError(f"{verified.path}: tensors unreadable ({err})") from None
+    try:
+        return _assemble(state, model, tensors)
+    except (KeyError, TypeError, ValueError) as err:
+        raise CheckpointError(
+            f"{verified.path}: state does not match its tensors ({err!r})"
+        ) from None
+
+
+def _assemble(
+    state: dict[str, Any], model: dict[str, torch.Tensor], tensors: dict[str, torch.Tensor]
+) -> Snapshot:
     for alias, name in state["model_aliases"].items():
         model[alias] = model[name]
     opt = state["optimizer"]

@@ -1,7 +1,7 @@
 """Atomic, verified checkpoint directories.
 
-Write protocol (`save`): every file goes into `checkpoints/.tmp-step_NNNNNN-RUNID` and is
-fsynced; `manifest.json` (size and SHA-256 of every file, run id, step, config hash) is written
+Write protocol (`save`): every file goes into `checkpoints/.tmp-step_NNNNNN-RUNID-PID` and
+is fsynced; `manifest.json` (size and SHA-256 of every file, run id, step, config hash) is written
 and fsynced last; the directory is fsynced, renamed to `checkpoints/step_NNNNNN`, and the parent
 directory is fsynced. A kill at any instant leaves either no `step_NNNNNN` or a complete one.
 
@@ -18,6 +18,7 @@ import os
 import re
 import shutil
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -77,9 +78,10 @@ def _write_synced(path: Path, data: bytes) -> None:
 
 
 class CheckpointStore:
-    def __init__(self, root: Path, run_id: str) -> None:
+    def __init__(self, root: Path, run_id: str, required_files: tuple[str, ...] = ()) -> None:
         self.root = root
         self.run_id = run_id
+        self.required_files = required_files
 
     def save(self, step: int, files: dict[str, bytes], config_hash: str) -> Saved:
         """Writes `files` as the checkpoint of `step` (see the module docstring)."""
@@ -87,8 +89,8 @@ class CheckpointStore:
         self.root.mkdir(parents=True, exist_ok=True)
         final = self.root / step_dir_name(step)
         if final.exists():
-            raise CheckpointError(f"{final}: already exists; refusing to overwrite a checkpoint")
-        tmp = self.root / f".tmp-{step_dir_name(step)}-{self.run_id}"
+            self._set_aside(final, step)
+        tmp = self.root / f".tmp-{step_dir_name(step)}-{self.run_id}-{os.getpid()}"
         if tmp.exists():
             shutil.rmtree(tmp)  # a torn write of ours: named with our run id
         tmp.mkdir()
@@ -118,6 +120,19 @@ class CheckpointStore:
             raise
         num_bytes = sum(e["bytes"] for e in entries.values())
         return Saved(final, step, num_bytes, time.perf_counter() - start)
+
+    def _set_aside(self, path: Path, step: int) -> None:
+        """A `step_NNNNNN` that is in the way of a new save: a verified one is never replaced;
+        an unverifiable one (torn, corrupt, foreign) is renamed out of the checkpoint namespace
+        and kept for the user to look at."""
+        try:
+            self.verify(path, step)
+        except CheckpointError as err:
+            aside = path.with_name(f".rejected-{path.name}-{int(time.time())}")
+            os.rename(path, aside)
+            print(f"asyncrl: moved unverifiable checkpoint aside to {aside}: {err}")
+            return
+        raise CheckpointError(f"{path}: a verified checkpoint already exists; not overwriting it")
 
     def candidates(self) -> list[tuple[int, Path]]:
         """`step_NNNNNN` directories, newest first."""
@@ -149,7 +164,18 @@ class CheckpointStore:
             raise CheckpointError(
                 f"{manifest_path}: says step {manifest.get('step')}, directory says step {step}"
             )
-        for name, entry in manifest["files"].items():
+        files = manifest.get("files")
+        if not isinstance(files, dict) or not all(
+            isinstance(e, dict)
+            and isinstance(e.get("bytes"), int)
+            and isinstance(e.get("sha256"), str)
+            for e in files.values()
+        ):
+            raise CheckpointError(f"{manifest_path}: malformed file list")
+        missing = sorted(set(self.required_files) - set(files))
+        if missing:
+            raise CheckpointError(f"{manifest_path}: does not list {', '.join(missing)}")
+        for name, entry in files.items():
             file = path / name
             if not file.is_file():
                 raise CheckpointError(f"{file}: missing (step {step})")
@@ -165,12 +191,18 @@ class CheckpointStore:
                 )
         return Verified(path, step, manifest)
 
-    def latest(self) -> tuple[Verified | None, list[str]]:
-        """The newest verified checkpoint (or None) and why each newer candidate was rejected."""
+    def latest(
+        self, check: Callable[[Verified], object] | None = None
+    ) -> tuple[Verified | None, list[str]]:
+        """The newest verified checkpoint (or None) and why each newer candidate was rejected.
+        `check` may load the candidate further and raise `CheckpointError` to reject it too."""
         rejected: list[str] = []
         for step, path in self.candidates():
             try:
-                return self.verify(path, step), rejected
+                verified = self.verify(path, step)
+                if check is not None:
+                    check(verified)
+                return verified, rejected
             except CheckpointError as err:
                 rejected.append(str(err))
         return None, rejected
@@ -187,10 +219,20 @@ class CheckpointStore:
             except CheckpointError:
                 continue  # not ours to judge: a torn or foreign directory stays
         for old in verified[max(keep_last, 1) :]:
-            shutil.rmtree(old.path)
-            deleted.append(old.path)
+            # renamed first, so a kill mid-delete leaves a temp dir of ours, not a torn step
+            trash = old.path.with_name(f".tmp-trash-{old.path.name}-{self.run_id}")
+            os.rename(old.path, trash)
             fault_point("checkpoint.retention_deleted")
-        for tmp in self.root.glob(f".tmp-step_*-{self.run_id}"):
+            shutil.rmtree(trash)
+            deleted.append(old.path)
+        return deleted + self.clean_temp()
+
+    def clean_temp(self) -> list[Path]:
+        """Removes this run's temp dirs: torn writes and interrupted deletes. Only safe while
+        no save of this run is in progress (the run dir lock guarantees it)."""
+        if not self.root.is_dir():
+            return []
+        removed = sorted(self.root.glob(f".tmp-*-{self.run_id}*"))
+        for tmp in removed:
             shutil.rmtree(tmp, ignore_errors=True)
-            deleted.append(tmp)
-        return deleted
+        return removed

@@ -54,8 +54,10 @@ class ResumePlan:
 
     @property
     def num_regenerated(self) -> int:
-        """Groups generated again for targets the checkpoint had already started."""
-        return len(self.redispatched) + len(self.fills)
+        """Groups whose generation is paid twice: the re-dispatched ones, or (lossy) the
+        replacements of every skipped prompt and discarded group. Fills of slots that had never
+        been dispatched are not counted: that work was still to do anyway."""
+        return len(self.redispatched) + len(self.skipped) + len(self.discarded)
 
 
 def plan_resume(saved: SavedLedger, policy: ResumePolicy) -> ResumePlan:

@@ -6,13 +6,15 @@ launches so far (the `start` events in events.jsonl).
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import IO
 
-from asyncrl.checkpoint.snapshot import read_state
+from asyncrl.checkpoint.snapshot import FILES, Snapshot, check_cut, decode
 from asyncrl.checkpoint.store import CheckpointStore, Verified
 from asyncrl.config import Config, dump_config, semantic_differences
 from asyncrl.train.records import read_jsonl
@@ -28,11 +30,34 @@ class RunDir:
     run_id: str
     attempt: int
     latest: Verified | None = None
+    snapshot: Snapshot | None = None
     rejected: list[str] = field(default_factory=list)
+    lock: IO[str] | None = None
 
     @property
     def store(self) -> CheckpointStore:
-        return CheckpointStore(self.path / "checkpoints", self.run_id)
+        return CheckpointStore(self.path / "checkpoints", self.run_id, FILES)
+
+
+def _lock(path: Path) -> IO[str]:
+    """Holds an exclusive lock on the run dir for this process's lifetime (the kernel drops it
+    when the process dies, SIGKILL included)."""
+    handle = (path / ".lock").open("a+")
+    try:
+        fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        handle.seek(0)
+        holder = handle.read().strip() or "unknown"
+        handle.close()
+        raise RunDirError(
+            f"{path} is in use by another asyncrl process (pid {holder}); wait for it to stop "
+            "or choose another --run-dir"
+        ) from None
+    handle.seek(0)
+    handle.truncate()
+    handle.write(str(os.getpid()))
+    handle.flush()
+    return handle
 
 
 def _write_run_json(path: Path, run_id: str) -> None:
@@ -54,12 +79,22 @@ def open_run_dir(path: Path, config: Config) -> RunDir:
     else:
         path.mkdir(parents=True, exist_ok=True)
         run_id = uuid.uuid4().hex[:16]
+    lock = _lock(path)
+    if not run_json.is_file():
         _write_run_json(path, run_id)
+    CheckpointStore(path / "checkpoints", run_id).clean_temp()  # ours, and we hold the lock
     starts = [e for e in read_jsonl(path / "events.jsonl") if e.get("event") == "start"]
-    run = RunDir(path=path, run_id=run_id, attempt=len(starts))
-    run.latest, run.rejected = run.store.latest()
-    if run.latest is not None:
-        saved = read_state(run.latest)["config"]
+    run = RunDir(path=path, run_id=run_id, attempt=len(starts), lock=lock)
+    rollout = config.rollout
+    capacity = (rollout.max_trajectory_age_steps + 1) * rollout.num_prompts_per_step
+
+    def load(verified: Verified) -> None:
+        run.snapshot = decode(verified)
+        check_cut(run.snapshot, rollout.num_prompts_per_step, capacity)
+
+    run.latest, run.rejected = run.store.latest(check=load)
+    if run.latest is not None and run.snapshot is not None:
+        saved = run.snapshot.config
         differences = semantic_differences(saved, config)
         if differences:
             raise RunDirError(

@@ -31,7 +31,7 @@ import torch
 import transformers
 from tqdm import tqdm
 
-from asyncrl.checkpoint.snapshot import Snapshot, capture_rng, decode, restore_rng
+from asyncrl.checkpoint.snapshot import Snapshot, capture_rng, clone_state, restore_rng
 from asyncrl.checkpoint.store import CheckpointError
 from asyncrl.checkpoint.writer import CheckpointWriter
 from asyncrl.config import Config, benign_differences, config_hash
@@ -125,11 +125,12 @@ class Trainer:
         """Loads the run dir's newest verified checkpoint, if any, and records the resume."""
         for reason in self.run.rejected:
             print(f"asyncrl: skipping checkpoint: {reason}")
-        if self.run.latest is None:
+        snapshot = self.run.snapshot
+        if snapshot is None:
             if self.attempt:
                 print(f"asyncrl: no verified checkpoint; from step 0 (attempt {self.attempt})")
             return
-        snapshot = decode(self.run.latest)
+        cursor = int(snapshot.ledger["stream"]["cursor"])
         plan = self.load_state_dict(snapshot)
         self.resume_plan = plan
         for line in plan.messages:
@@ -138,6 +139,7 @@ class Trainer:
             "resume",
             attempt=self.attempt,
             from_step=self.step,
+            cursor=cursor,
             policy=plan.policy,
             kept_groups=plan.kept,
             reissued_ordinals=[k for k, _ in plan.redispatched],
@@ -195,7 +197,7 @@ class Trainer:
             self._on_preempted(stop)
             raise
         finally:
-            self.parts.collector.stop()
+            self.parts.collector.stop(timeout_s=1.0)  # a batch still running is not waited for
             progress.close()
         return self.finish()
 
@@ -206,11 +208,15 @@ class Trainer:
         return max((r["wall_s"] for r in latest_records(earlier)), default=0.0)
 
     def _on_preempted(self, stop: Preempted) -> None:
-        self.parts.collector.stop(timeout_s=5.0)  # let a batch in progress land, briefly
-        if self.last_saved_step != self.step:
-            self.checkpoint()
-        self.writer.wait()
+        """The emergency checkpoint, first: the cut needs no pause of generation, and a
+        preempted machine's grace period is short."""
         self.events.emit("signal", signal=stop.signal_name, step=self.step)
+        try:
+            self.writer.wait()
+        except CheckpointError as err:  # an earlier periodic save failed: still try this one
+            print(f"asyncrl: an earlier checkpoint write failed: {err}")
+        if self.last_saved_step != self.step:
+            self.checkpoint(wait=True)
         print(
             f"asyncrl: {stop.signal_name}: checkpoint of step {self.step} written; run the same "
             "command again to resume"
@@ -257,7 +263,7 @@ class Trainer:
         writes, verifies and retains; `wait=True` also blocks until that is done."""
         start = time.perf_counter()
         snapshot, pause_s = self.state_dict()
-        snapshot.model = {k: v.detach().clone() for k, v in snapshot.model.items()}
+        snapshot.model = clone_state(snapshot.model)
         snapshot.optimizer = copy.deepcopy(snapshot.optimizer)
         info = {
             "blocked_s": time.perf_counter() - start,
@@ -342,14 +348,18 @@ def latest_records(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
 def train(config: Config, run_dir: Path, stop: StopRequest | None = None) -> str:
     """Starts or resumes the run in `run_dir`; returns the end-of-run summary."""
     run = open_run_dir(run_dir, config)
-    trainer = Trainer(config, run, stop)
     try:
-        return trainer.run_to_end()
-    except BaseException:
-        with contextlib.suppress(BaseException):
-            trainer.writer.wait()  # a write in progress is still a good checkpoint
-        trainer.close()
-        raise
+        trainer = Trainer(config, run, stop)
+        try:
+            return trainer.run_to_end()
+        except BaseException:
+            with contextlib.suppress(BaseException):
+                trainer.writer.wait()  # a write in progress is still a good checkpoint
+            trainer.close()
+            raise
+    finally:
+        if run.lock is not None:
+            run.lock.close()  # releases the run dir lock
 
 
 __all__ = ["CheckpointError", "Trainer", "latest_records", "train"]
