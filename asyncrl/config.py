@@ -35,7 +35,8 @@ class RunConfig:
     max_num_steps: int = 200
     """Optimizer steps to train; the run ends (exit 0) when step `max_num_steps - 1` is done."""
     deterministic: bool = False
-    """Reserved for the bit-for-bit resume mode (DESIGN.md I5); must stay false for now."""
+    """Bit-for-bit reproducible runs, resumed or not (DESIGN.md I5): target t is generated with
+    exactly weights version max(0, t-A), in fixed batches; see docs/determinism.md."""
     torch_threads: int = 1
     """torch intra-op threads per process. 1 lets generation and training each own a core on a
     2-core machine; 0 keeps torch's default."""
@@ -43,12 +44,6 @@ class RunConfig:
     def validate(self) -> None:
         _require(self.max_num_steps >= 1, "run.max_num_steps", self.max_num_steps, ">= 1")
         _require(self.torch_threads >= 0, "run.torch_threads", self.torch_threads, ">= 0")
-        _require(
-            not self.deterministic,
-            "run.deterministic",
-            self.deterministic,
-            "false (deterministic mode is not implemented yet)",
-        )
 
 
 @dataclass
@@ -205,6 +200,20 @@ class Config:
             check = getattr(getattr(self, section.name), "validate", None)
             if check is not None:
                 check()
+        n, batch = self.rollout.num_prompts_per_step, self.rollout.groups_per_batch
+        _require(
+            batch <= n and (batch == 0 or n % batch == 0),
+            "rollout.groups_per_batch",
+            batch,
+            f"0 or a divisor of rollout.num_prompts_per_step={n}",
+        )
+        if self.run.deterministic:
+            _require(
+                self.checkpoint.resume_policy == "lossless",
+                "checkpoint.resume_policy",
+                self.checkpoint.resume_policy,
+                "lossless when run.deterministic=true",
+            )
 
     def to_dict(self) -> dict[str, dict[str, Any]]:
         return dataclasses.asdict(self)
@@ -233,13 +242,19 @@ def flatten(config: Config | dict[str, dict[str, Any]]) -> dict[str, Any]:
     return {f"{s}.{k}": v for s, values in nested.items() for k, v in values.items()}
 
 
+DETERMINISM_KEYS = frozenset({"run.torch_threads", "rollout.groups_per_batch"})
+"""Benign keys that still change the bits: batch shapes and intra-op thread counts change
+floating-point reduction order, so a deterministic run may not change them."""
+
+
 def semantic_differences(saved: dict[str, dict[str, Any]], now: Config) -> list[str]:
     """`key: checkpoint=X, now=Y` for every semantics-bearing key that differs."""
     before, after = flatten(saved), flatten(now)
+    benign = BENIGN_KEYS - DETERMINISM_KEYS if before.get("run.deterministic") else BENIGN_KEYS
     return [
         f"{key}: checkpoint={before.get(key)!r}, now={after[key]!r}"
         for key in after
-        if key not in BENIGN_KEYS and before.get(key) != after[key]
+        if key not in benign and before.get(key) != after[key]
     ]
 
 

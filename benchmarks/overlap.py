@@ -8,7 +8,8 @@ R close to I means the overlap is close to its physical limit.
 
     .venv/bin/python benchmarks/overlap.py [--steps 60] [--warmup 10] [--repeats 3]
 
-Each figure is the median of `--repeats` alternating sync/async runs: a shared 2-core machine
+It also runs A=1 with `run.deterministic=true` and prints its steps/s against the default
+async run. Each figure is the median of `--repeats` alternating runs: a shared 2-core machine
 is noisy, and alternating keeps slow spells from landing on one side.
 
 Its last line reads `async/sync steps/s: R (ideal I)` for the demo's shape.
@@ -40,19 +41,22 @@ SHAPES = {
 }  # fmt: skip
 
 
-def measure(overrides: list[str], age: int, steps: int, warmup: int, root: Path) -> dict:
+def measure(
+    overrides: list[str], age: int, steps: int, warmup: int, root: Path, deterministic: bool = False
+) -> dict:
     """Trains `steps` steps; returns steady-state steps/s and mean phase seconds per step."""
     config = build_config(
         {},
         [
             *overrides,
             f"rollout.max_trajectory_age_steps={age}",
+            f"run.deterministic={str(deterministic).lower()}",
             f"run.max_num_steps={steps}",
             "logging.progress=false",
             "logging.plot=false",
         ],
     )
-    run_dir = root / f"A{age}"
+    run_dir = root / f"A{age}{'-det' if deterministic else ''}"
     train(config, run_dir)
     records = read_jsonl(run_dir / "metrics.jsonl")[warmup:]
     span_s = records[-1]["wall_s"] - records[0]["wall_s"]
@@ -76,13 +80,14 @@ def main() -> None:
     lines = []
     with tempfile.TemporaryDirectory() as tmp:
         for name, overrides in SHAPES.items():
-            runs: dict[int, list[dict]] = {0: [], 1: []}
+            runs: dict[str, list[dict]] = {"sync": [], "async": [], "det": []}
+            modes = (("sync", 0, False), ("async", 1, False), ("det", 1, True))
             for repeat in range(args.repeats):
-                for age in (0, 1):
-                    print(f"[{name}] A={age} run {repeat + 1}/{args.repeats}", file=sys.stderr)
+                for mode, age, det in modes:
+                    print(f"[{name}] {mode} run {repeat + 1}/{args.repeats}", file=sys.stderr)
                     root = Path(tmp) / f"{name}-{repeat}"
-                    runs[age].append(measure(overrides, age, args.steps, args.warmup, root))
-            sync, asyn = median_of(runs[0]), median_of(runs[1])
+                    runs[mode].append(measure(overrides, age, args.steps, args.warmup, root, det))
+            sync, asyn, det = (median_of(runs[m]) for m in ("sync", "async", "det"))
             gen, trn = sync["gen_s"], sync["train_s"]
             ideal = (gen + trn) / max(gen, trn)
             ratio = asyn["steps_per_s"] / sync["steps_per_s"]
@@ -91,6 +96,10 @@ def main() -> None:
                 f" + training {trn * 1e3:.0f} ms per step), async {asyn['steps_per_s']:.2f} "
                 f"steps/s (generation {asyn['gen_s'] * 1e3:.0f} ms, training "
                 f"{asyn['train_s'] * 1e3:.0f} ms per step); R/I = {ratio / ideal:.2f}"
+            )
+            print(
+                f"[{name}] deterministic async {det['steps_per_s']:.2f} steps/s = "
+                f"{det['steps_per_s'] / asyn['steps_per_s']:.2f} x default async"
             )
             lines.append(f"[{name}] async/sync steps/s: {ratio:.2f} (ideal {ideal:.2f})")
     print("\n".join(lines))

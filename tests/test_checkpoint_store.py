@@ -16,11 +16,11 @@ from asyncrl.checkpoint.snapshot import (
     Snapshot,
     capture_rng,
     check_cut,
-    clone_state,
     decode,
     encode,
 )
 from asyncrl.checkpoint.store import CheckpointError, CheckpointStore
+from asyncrl.core.tensors import clone_state
 
 
 def edit_manifest(step_dir, **changes) -> None:

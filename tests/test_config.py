@@ -64,6 +64,11 @@ def test_an_int_field_accepts_an_int_given_for_a_float():
         (["model.hidden_size=100", "model.num_heads=3"], "a multiple of model.num_heads=3"),
         (["rollout.backend=mpi"], "allowed values: 'threads'"),
         (["seed=3"], "must look like section.key=value"),
+        (["rollout.groups_per_batch=3"], "0 or a divisor of rollout.num_prompts_per_step=16"),
+        (
+            ["run.deterministic=true", "checkpoint.resume_policy=keep_incomplete"],
+            "lossless when run.deterministic=true",
+        ),
     ],
 )
 def test_bad_keys_and_values_are_rejected_naming_the_key(overrides, message):

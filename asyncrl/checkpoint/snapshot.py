@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import json
 import random
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -39,6 +39,8 @@ class Snapshot:
     buffer: dict[str, Any]  # ReplayBuffer.state_dict()
     rng: dict[str, Any]
     config: dict[str, Any]
+    generation: dict[int, dict[str, torch.Tensor]] = field(default_factory=dict)
+    """Deterministic mode: the older weights versions the engine still has to generate with."""
 
 
 def capture_rng() -> dict[str, Any]:
@@ -55,23 +57,6 @@ def restore_rng(rng: dict[str, Any]) -> None:
     name, keys, pos, has_gauss, cached = rng["numpy"]
     np.random.set_state((name, np.asarray(keys, dtype=np.uint32), pos, has_gauss, cached))
     torch.set_rng_state(rng["torch"])
-
-
-def clone_state(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """A private copy of a state dict; tensors that shared memory still share it (so tied
-    weights are still stored once)."""
-    copies: dict[tuple[int, int, tuple[int, ...]], torch.Tensor] = {}
-    out = {}
-    for name, tensor in state.items():
-        key = (
-            tensor.untyped_storage().data_ptr(),
-            int(tensor.storage_offset()),
-            tuple(tensor.shape),
-        )
-        if key not in copies:
-            copies[key] = tensor.detach().clone()
-        out[name] = copies[key]
-    return out
 
 
 def _dedupe(state: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
@@ -106,6 +91,11 @@ def encode(snapshot: Snapshot) -> dict[str, bytes]:
         for key in GROUP_TENSORS:
             tensors[f"buffer/{ordinal}/{key}"] = group[key].contiguous()
         groups_meta.append({k: v for k, v in group.items() if k not in GROUP_TENSORS})
+    generation_aliases = {}
+    for version, weights in snapshot.generation.items():
+        stored, aliases_v = _dedupe(weights)
+        tensors.update({f"generation/{version}/{k}": v for k, v in stored.items()})
+        generation_aliases[str(version)] = aliases_v
     numpy_state = snapshot.rng["numpy"]
     state = {
         "trainer": snapshot.trainer,
@@ -121,6 +111,7 @@ def encode(snapshot: Snapshot) -> dict[str, bytes]:
             "numpy": [numpy_state[0], numpy_state[1].tolist(), *numpy_state[2:]],
         },
         "model_aliases": aliases,
+        "generation_aliases": generation_aliases,
         "config": snapshot.config,
     }
     return {
@@ -209,6 +200,13 @@ def _assemble(
     for meta in state["buffer"]["groups"]:
         ordinal = meta["ticket"]["ordinal"]
         groups.append({**meta, **{k: tensors[f"buffer/{ordinal}/{k}"] for k in GROUP_TENSORS}})
+    generation: dict[int, dict[str, torch.Tensor]] = {}
+    for version, aliases in state.get("generation_aliases", {}).items():
+        prefix = f"generation/{version}/"
+        weights = {k[len(prefix) :]: v for k, v in tensors.items() if k.startswith(prefix)}
+        for alias, name in aliases.items():
+            weights[alias] = weights[name]
+        generation[int(version)] = weights
     python_rng = state["rng"]["python"]
     return Snapshot(
         trainer=state["trainer"],
@@ -218,4 +216,5 @@ def _assemble(
         buffer={"groups": groups},
         rng={"python": python_rng, "numpy": state["rng"]["numpy"], "torch": tensors["rng/torch"]},
         config=state["config"],
+        generation=generation,
     )

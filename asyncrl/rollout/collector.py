@@ -103,9 +103,10 @@ def make_group(
 class Collector:
     """Runs generation on a background thread until `stop()`.
 
-    One lock (`_cond`) guards admission (ledger.admit) and completion (buffer.add together
-    with ledger.complete), so `snapshot()` under the same lock always sees every ordinal in
-    exactly one place: pending, in flight or buffered. Generation itself runs outside the lock.
+    One lock (`_cond`) guards admission (ledger.admit) and completion (a whole batch's
+    buffer.add together with ledger.complete), so `snapshot()` under the same lock always sees
+    every ordinal in exactly one place: pending, in flight or buffered. Generation itself runs
+    outside the lock.
     """
 
     def __init__(
@@ -120,6 +121,7 @@ class Collector:
         seed: int,
         batch_groups: int,
         on_batch: Callable[[float, float, int, list[PromptTicket]], None] | None = None,
+        pin_versions: bool = False,
     ) -> None:
         self.ledger = ledger
         self.buffer = buffer
@@ -131,6 +133,7 @@ class Collector:
         self.seed = seed
         self.batch_groups = batch_groups
         self.on_batch = on_batch
+        self.pin_versions = pin_versions
         self._version = engine.weights_version
         self._cond = threading.Condition()
         self._stop = False
@@ -159,6 +162,22 @@ class Collector:
         """Raises `GenerationFailed` if the worker died; the trainer calls this while waiting."""
         if self._error is not None:
             raise GenerationFailed(f"generation worker failed: {self._error!r}") from self._error
+
+    def check_step_can_complete(self, target_step: int, num_prompts_per_step: int) -> None:
+        """Raises if `target_step` can never get its N groups: fewer are buffered, in flight or
+        still to come from the stream than it needs (a deadlock guard: the trainer would
+        otherwise wait forever)."""
+        with self._cond:
+            counts = self.buffer.counts_by_target().get(target_step, 0)
+            counts += sum(1 for t in self.ledger.unfinished() if t.target_step == target_step)
+            if self.ledger.stream.peek_target() <= target_step:
+                return  # the stream still hands out ordinals for it
+        if counts < num_prompts_per_step:
+            raise GenerationFailed(
+                f"step {target_step} can never be trained: only {counts} of its "
+                f"{num_prompts_per_step} groups are buffered or in flight, and the stream has "
+                "moved past it (the ledger and buffer disagree)"
+            )
 
     def snapshot(self) -> tuple[dict[str, Any], dict[str, Any], float]:
         """One consistent cut of ledger and buffer; returns them and the seconds admission and
@@ -197,16 +216,21 @@ class Collector:
             )
             for t in tickets
         ]
+        version = None
+        if self.pin_versions:  # deterministic mode: target t always uses version max(0, t - A)
+            version = max(0, tickets[0].target_step - self.max_age_steps)
         start = time.perf_counter()
-        outputs = self.engine.generate(requests)
+        outputs = self.engine.generate(requests, version)
         rewards = [self.scorer(t, out) for t, out in zip(tickets, outputs, strict=True)]
         elapsed = time.perf_counter() - start  # generation and scoring: the collector's work
         if self.on_batch is not None:  # recorded before the groups can reach a checkpoint
             self.on_batch(start, elapsed, outputs[0].weights_version, tickets)
-        for ticket, output, reward in zip(tickets, outputs, rewards, strict=True):
-            prompt = self.prompts[ticket.dataset_index]
-            group = make_group(ticket, prompt, output, reward, elapsed / len(tickets))
-            with self._cond:
+        groups = [
+            make_group(t, self.prompts[t.dataset_index], out, reward, elapsed / len(tickets))
+            for t, out, reward in zip(tickets, outputs, rewards, strict=True)
+        ]
+        with self._cond:  # a batch lands whole: a checkpoint never splits one
+            for group in groups:
                 self.buffer.add(group)
-                self.ledger.complete(ticket.ordinal)
-            fault_point("collector.group_buffered")
+                self.ledger.complete(group.ordinal)
+        fault_point("collector.group_buffered")

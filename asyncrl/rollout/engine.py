@@ -1,8 +1,9 @@
 """Generation engines: batched sampling behind the `GenerationEngine` protocol.
 
 The torch engine keeps its own copy of the policy. The trainer publishes new weights with
-`update_weights` (a copy, never blocking on generation); the engine swaps them in at the
-start of its next batch, so every token of a batch comes from one weights version.
+`update_weights` (a copy, never blocking on generation); the engine loads the version a batch
+asks for (by default the newest) at the start of the batch, so every token of a batch comes
+from one weights version.
 
 Sampling noise comes per request from `noise_seed`: sample i of a request draws token j by
 inverting the CDF at `u[i, j]`, where `u = rand(G, max_new_tokens)` under a generator seeded
@@ -20,6 +21,7 @@ from typing import Protocol
 import torch
 from transformers import PreTrainedModel
 
+from asyncrl.core.tensors import clone_state
 from asyncrl.models.policy import left_pad, position_ids
 
 
@@ -39,8 +41,11 @@ class GenerationOutput:
 
 
 class GenerationEngine(Protocol):
-    def generate(self, requests: list[GenerationRequest]) -> list[GenerationOutput]:
-        """Samples every request in one batch with one weights version."""
+    def generate(
+        self, requests: list[GenerationRequest], version: int | None = None
+    ) -> list[GenerationOutput]:
+        """Samples every request in one batch with one weights version: `version` if given,
+        else the newest published."""
         ...
 
     def update_weights(self, state: dict[str, torch.Tensor], version: int) -> None:
@@ -63,7 +68,12 @@ def sample_inverse_cdf(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Ten
 
 
 class TorchGenerationEngine:
-    """Autoregressive sampling with a KV cache on a private copy of a HF causal LM."""
+    """Autoregressive sampling with a KV cache on a private copy of a HF causal LM.
+
+    Published weights are kept by version, the newest `max_versions` of them; `generate` uses
+    the newest unless asked for a specific version (deterministic mode pins version
+    `max(0, t - A)` for target t). The trainer's copy and this one never share memory.
+    """
 
     def __init__(
         self,
@@ -72,6 +82,7 @@ class TorchGenerationEngine:
         pad_id: int,
         max_new_tokens: int,
         temperature: float,
+        max_versions: int = 1,
     ) -> None:
         self._model = copy.deepcopy(model).eval()
         self._model.requires_grad_(False)
@@ -79,32 +90,49 @@ class TorchGenerationEngine:
         self.pad_id = pad_id
         self.max_new_tokens = max_new_tokens
         self.temperature = temperature
+        self.max_versions = max_versions
         self._lock = threading.Lock()
-        self._pending: tuple[dict[str, torch.Tensor], int] | None = None
-        self._version = 0
+        self._published: dict[int, dict[str, torch.Tensor]] = {
+            0: clone_state(self._model.state_dict())
+        }
+        self._loaded = 0  # the version the private model holds
 
     @property
     def weights_version(self) -> int:
         with self._lock:
-            return self._pending[1] if self._pending is not None else self._version
+            return max(self._published)
 
     def update_weights(self, state: dict[str, torch.Tensor], version: int) -> None:
-        copied = {name: t.detach().clone() for name, t in state.items()}
+        copied = clone_state(state)
         with self._lock:
-            self._pending = (copied, version)
+            self._published[version] = copied
+            for old in sorted(self._published)[: -self.max_versions]:
+                del self._published[old]
 
-    def _swap_in_pending(self) -> int:
+    def published_versions(self) -> dict[int, dict[str, torch.Tensor]]:
+        """Every kept version's weights (deterministic checkpoints save the older ones)."""
         with self._lock:
-            pending, self._pending = self._pending, None
-        if pending is not None:
-            state, version = pending
+            return dict(self._published)
+
+    def _load(self, version: int | None) -> int:
+        with self._lock:
+            wanted = max(self._published) if version is None else version
+            if wanted not in self._published:
+                raise RuntimeError(
+                    f"weights version {wanted} is no longer kept (have {sorted(self._published)})"
+                )
+            state = self._published[wanted]
+        if wanted != self._loaded:
             self._model.load_state_dict(state, strict=False)
-            self._version = version
-        return self._version
+            self._loaded = wanted
+        return wanted
 
     @torch.inference_mode()
-    def generate(self, requests: list[GenerationRequest]) -> list[GenerationOutput]:
-        version = self._swap_in_pending()
+    def generate(
+        self, requests: list[GenerationRequest], version: int | None = None
+    ) -> list[GenerationOutput]:
+        """Samples every request in one batch with weights `version` (default: the newest)."""
+        version = self._load(version)
         prompts = [r.prompt_ids for r in requests for _ in range(r.num_samples)]
         uniforms = torch.cat(
             [

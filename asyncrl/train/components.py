@@ -39,8 +39,14 @@ def build_components(config: Config, on_batch: OnBatch | None = None) -> Compone
     stream = PromptStream(len(task.examples), rollout.num_prompts_per_step, config.run.seed)
     ledger = Ledger(stream)
     buffer = ReplayBuffer(rollout.num_prompts_per_step, rollout.max_trajectory_age_steps)
+    deterministic = config.run.deterministic
     engine = TorchGenerationEngine(
-        policy.model, policy.eos_id, policy.pad_id, rollout.max_new_tokens, rollout.temperature
+        policy.model,
+        policy.eos_id,
+        policy.pad_id,
+        rollout.max_new_tokens,
+        rollout.temperature,
+        max_versions=rollout.max_trajectory_age_steps + 1 if deterministic else 1,
     )
     collector = Collector(
         ledger=ledger,
@@ -53,6 +59,7 @@ def build_components(config: Config, on_batch: OnBatch | None = None) -> Compone
         seed=config.run.seed,
         batch_groups=rollout.groups_per_batch or rollout.num_prompts_per_step,
         on_batch=on_batch,
+        pin_versions=deterministic,
     )
     algo = GRPO(policy.model, config.algo, rollout.temperature, policy.pad_id)
     return Components(policy, task, stream, ledger, buffer, engine, collector, algo)

@@ -23,6 +23,8 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import hashlib
+import os
 import time
 from pathlib import Path
 from typing import Any
@@ -31,11 +33,12 @@ import torch
 import transformers
 from tqdm import tqdm
 
-from asyncrl.checkpoint.snapshot import Snapshot, capture_rng, clone_state, restore_rng
+from asyncrl.checkpoint.snapshot import Snapshot, capture_rng, restore_rng
 from asyncrl.checkpoint.store import CheckpointError
 from asyncrl.checkpoint.writer import CheckpointWriter
 from asyncrl.config import Config, benign_differences, config_hash
 from asyncrl.core.resume import ResumePlan, SavedLedger, plan_resume
+from asyncrl.core.tensors import clone_state
 from asyncrl.core.types import Group, PromptTicket
 from asyncrl.faults import fault_point
 from asyncrl.train.components import build_components
@@ -43,6 +46,10 @@ from asyncrl.train.records import EventLog, JsonlLog, MetricsSink, TensorBoardSi
 from asyncrl.train.report import plot_reward_curve, summarize
 from asyncrl.train.rundir import RunDir, open_run_dir
 from asyncrl.train.signals import Preempted, StopRequest
+
+SKIP_RESTORE = frozenset(filter(None, os.environ.get("ASYNCRL_TEST_SKIP_RESTORE", "").split(",")))
+"""Test-only: pieces of state a resume deliberately does not restore (`optimizer`, `rng`,
+`cursor`, `buffer`), so the determinism tests can prove they would notice. Read once."""
 
 
 class Trainer:
@@ -56,6 +63,7 @@ class Trainer:
         self.stop = stop or StopRequest()
         if config.run.torch_threads:
             torch.set_num_threads(config.run.torch_threads)
+        torch.use_deterministic_algorithms(config.run.deterministic)  # process-wide: set both ways
         self.events = EventLog(self.run_dir / "events.jsonl")
         self.metrics = JsonlLog(self.run_dir / "metrics.jsonl")
         self.timeline = JsonlLog(self.run_dir / "timeline.jsonl")
@@ -94,18 +102,28 @@ class Trainer:
             rng=capture_rng(),
             config=self.config.to_dict(),
         )
+        if self.config.run.deterministic:  # versions older than `step` still to generate with
+            published = self.parts.engine.published_versions()
+            snapshot.generation = {v: w for v, w in published.items() if v < self.step}
         return snapshot, pause_s
 
     def load_state_dict(self, snapshot: Snapshot) -> ResumePlan:
         """Restores a snapshot and applies `checkpoint.resume_policy`; returns the plan."""
+        skip = SKIP_RESTORE  # test-only negative controls; empty in real use
         self.parts.policy.model.load_state_dict(snapshot.model)
-        self.parts.algo.optimizer.load_state_dict(snapshot.optimizer)
-        restore_rng(snapshot.rng)
+        if "optimizer" not in skip:
+            self.parts.algo.optimizer.load_state_dict(snapshot.optimizer)
+        if "rng" not in skip:
+            restore_rng(snapshot.rng)
         self.step = int(snapshot.trainer["step"])
         self.last_saved_step = self.step
         ledger, buffer = self.parts.ledger, self.parts.buffer
-        ledger.load_state_dict(snapshot.ledger)
-        buffer.load_state_dict(snapshot.buffer)
+        if "cursor" not in skip:
+            ledger.load_state_dict(snapshot.ledger)
+        if "buffer" not in skip:
+            buffer.load_state_dict(snapshot.buffer)
+        for version in sorted(snapshot.generation):
+            self.parts.engine.update_weights(snapshot.generation[version], version)
         saved = SavedLedger(
             step=self.step,
             num_prompts_per_step=self.config.rollout.num_prompts_per_step,
@@ -224,6 +242,8 @@ class Trainer:
 
     def _wait_check(self) -> None:
         self.parts.collector.check()
+        n = self.config.rollout.num_prompts_per_step
+        self.parts.collector.check_step_can_complete(self.step, n)
         if self.stop.requested:
             raise Preempted(self.stop.signal_name or "signal")
 
@@ -307,6 +327,7 @@ class Trainer:
             "generation_version_max": max(g.version_max for g in groups),
             "wall_s": time.perf_counter() - self._start_s,
             "generation_s": sum(g.generation_s for g in groups),
+            "tokens_sha256": tokens_digest(groups),
             "buffer_groups": len(self.parts.buffer),
             **algo,
         }
@@ -336,6 +357,16 @@ class Trainer:
             sink.close()
         for log in (self.metrics, self.events, self.timeline):
             log.close()
+
+
+def tokens_digest(groups: list[Group]) -> str:
+    """SHA-256 (first 16 hex digits) of the step's sampled tokens, in ordinal order: equal
+    digests mean the same completions were trained."""
+    digest = hashlib.sha256()
+    for group in groups:
+        digest.update(group.completion_ids.numpy().tobytes())
+        digest.update(group.completion_mask.numpy().tobytes())
+    return digest.hexdigest()[:16]
 
 
 def latest_records(records: list[dict[str, Any]]) -> list[dict[str, Any]]:

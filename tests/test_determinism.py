@@ -1,0 +1,150 @@
+"""Deterministic mode (I5): a run killed with SIGKILL and resumed is bit-for-bit the run it
+would have been — per-step loss, reward, sampled tokens and the final weights."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from helpers import read_records
+from safetensors.torch import load_file
+
+pytestmark = pytest.mark.slow
+
+STEPS = 24
+DETERMINISTIC = [
+    "run.deterministic=true",
+    f"run.max_num_steps={STEPS}",
+    "rollout.num_prompts_per_step=4",
+    "rollout.num_generations_per_prompt=4",
+    "rollout.groups_per_batch=2",
+    "rollout.max_trajectory_age_steps=1",
+    "checkpoint.save_period=3",
+    "data.num_examples=20",  # an epoch every 5 steps
+    "logging.progress=false",
+    "logging.plot=false",
+]
+
+
+def launch(run_dir: Path, repo_root: Path, fault: str = "", skip: str = "") -> subprocess.Popen:
+    env = {
+        **os.environ,
+        "PYTHONWARNINGS": "ignore",
+        "ASYNCRL_FAULT": fault,
+        "ASYNCRL_TEST_SKIP_RESTORE": skip,
+    }
+    command = [sys.executable, "-m", "asyncrl.cli", "train", str(repo_root / "configs/demo.yaml")]
+    return subprocess.Popen(
+        [*command, "--run-dir", str(run_dir), *DETERMINISTIC],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+
+
+def run_to_kill(run_dir: Path, repo_root: Path, fault: str) -> None:
+    proc = launch(run_dir, repo_root, fault=fault)
+    out, _ = proc.communicate(timeout=120)
+    assert proc.returncode == -signal.SIGKILL, f"{fault} never fired: {out}"
+
+
+def finish(run_dir: Path, repo_root: Path, skip: str = "") -> int:
+    proc = launch(run_dir, repo_root, skip=skip)
+    try:
+        proc.communicate(timeout=90)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.communicate()
+    return proc.returncode
+
+
+def resume_step(run_dir: Path) -> int:
+    """The step the next launch resumes at: the newest checkpoint with a manifest."""
+    steps = [int(p.parent.name[5:]) for p in (run_dir / "checkpoints").glob("step_*/manifest.json")]
+    return max(steps, default=0)
+
+
+def fingerprint(run_dir: Path) -> tuple[list[tuple], str]:
+    """Per step (the record that counts): loss, reward_mean, sampled-token digest; and a hash
+    of the final weights, tensor by tensor."""
+    final = {r["step"]: r for r in read_records(run_dir / "metrics.jsonl")}
+    steps = [
+        (t, final[t]["loss"], final[t]["reward_mean"], final[t]["tokens_sha256"])
+        for t in sorted(final)
+    ]
+    weights = load_file(run_dir / "final_model" / "model.safetensors")
+    digest = hashlib.sha256()
+    for name in sorted(weights):
+        digest.update(name.encode())
+        digest.update(weights[name].numpy().tobytes())
+    return steps, digest.hexdigest()
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory, request) -> tuple[list[tuple], str]:
+    repo_root = Path(request.config.rootpath)
+    run_dir = tmp_path_factory.mktemp("reference") / "run"
+    assert finish(run_dir, repo_root) == 0
+    steps, weights = fingerprint(run_dir)
+    assert len(steps) == STEPS
+    return steps, weights
+
+
+def test_one_random_kill_and_resume_is_bitwise_the_uninterrupted_run(
+    tmp_path, repo_root, reference
+):
+    run = tmp_path / "run"
+    proc = launch(run, repo_root)
+    while (
+        len(read_records(run / "metrics.jsonl")) < 9 if (run / "metrics.jsonl").exists() else True
+    ):
+        assert proc.poll() is None
+        time.sleep(0.01)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait(30)
+    assert finish(run, repo_root) == 0
+    assert fingerprint(run) == reference
+
+
+def test_three_kills_mid_checkpoint_at_an_epoch_boundary_and_on_the_last_step(
+    tmp_path, repo_root, reference
+):
+    run = tmp_path / "run"
+    run_to_kill(run, repo_root, "checkpoint.file_written:4")  # writing step 6's checkpoint
+    # step 10 trains ordinals 40-43, the first of epoch 2: killed right after its update
+    run_to_kill(run, repo_root, f"train.weights_published:{10 - resume_step(run) + 1}")
+    # the last step: killed after its optimizer step, before its record and final checkpoint
+    run_to_kill(run, repo_root, f"train.optimizer_step:{STEPS - 1 - resume_step(run) + 1}")
+    assert finish(run, repo_root) == 0
+    attempts = {r["attempt"] for r in read_records(run / "metrics.jsonl")}
+    assert attempts == {0, 1, 2, 3}
+    assert fingerprint(run) == reference
+
+
+@pytest.mark.parametrize("piece", ["optimizer", "cursor", "buffer"])
+def test_a_resume_that_skips_restoring_one_piece_of_state_is_caught(
+    tmp_path, repo_root, reference, piece
+):
+    run = tmp_path / "run"
+    run_to_kill(run, repo_root, "checkpoint.parent_fsynced:2")  # durable checkpoint of step 6
+    code = finish(run, repo_root, skip=piece)
+    # either the run refuses to go on (cursor, buffer: the ledger and buffer disagree) or it
+    # finishes with different numbers (optimizer)
+    assert code != 0 or fingerprint(run) != reference
+
+
+def test_the_global_rngs_are_not_part_of_what_a_resume_must_restore(tmp_path, repo_root, reference):
+    # The negative control for RNG *passes*: no computation draws from Python's, NumPy's or
+    # torch's global generators (sampling noise comes from (seed, ordinal)), so a resume that
+    # skips restoring them is still bitwise the reference. They are saved anyway.
+    run = tmp_path / "run"
+    run_to_kill(run, repo_root, "checkpoint.parent_fsynced:2")
+    assert finish(run, repo_root, skip="rng") == 0
+    assert fingerprint(run) == reference
