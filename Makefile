@@ -5,7 +5,7 @@ BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 RUN_DIR ?= runs/demo-$(shell date +%Y%m%d-%H%M%S)
 
-.PHONY: setup demo test lint bench docs clean
+.PHONY: setup demo test lint bench chaos docs clean
 
 setup: $(STAMP)
 
@@ -31,6 +31,9 @@ test: lint
 bench: setup
 	$(BIN)/python benchmarks/overlap.py
 	$(BIN)/python benchmarks/resume_cost.py
+
+chaos: setup
+	$(BIN)/python benchmarks/chaos.py --trials 200
 
 docs: setup
 	$(BIN)/python scripts/update_readme.py

@@ -26,6 +26,16 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("config", help="YAML config file, e.g. configs/demo.yaml")
     train.add_argument("--run-dir", required=True, help="directory for the run's files")
     train.add_argument(
+        "--restart",
+        action="store_true",
+        help="if the run dir has history but no verified checkpoint, train again from step 0",
+    )
+    train.add_argument(
+        "--force-config",
+        action="store_true",
+        help="resume even though semantics-bearing config keys changed (recorded in events)",
+    )
+    train.add_argument(
         "overrides",
         nargs="*",
         metavar="section.key=value",
@@ -53,6 +63,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 def _train(args: argparse.Namespace) -> int:
+    from asyncrl.checkpoint.store import CheckpointError
+    from asyncrl.rollout.collector import GenerationFailed
+    from asyncrl.train.grpo import NonFiniteLoss
     from asyncrl.train.rundir import RunDirError
     from asyncrl.train.signals import EXIT_PREEMPTED, Preempted, StopRequest
     from asyncrl.train.trainer import train
@@ -61,12 +74,22 @@ def _train(args: argparse.Namespace) -> int:
     stop.install()
     try:
         config = load_config(args.config, args.overrides)
-        summary = train(config, Path(args.run_dir), stop)
+        summary = train(
+            config, Path(args.run_dir), stop, restart=args.restart, force_config=args.force_config
+        )
     except (ConfigError, RunDirError) as err:
         print(f"asyncrl: error: {err}", file=sys.stderr)
         return EXIT_BAD_INPUT
     except Preempted:
         return EXIT_PREEMPTED
+    except (GenerationFailed, NonFiniteLoss, CheckpointError) as err:
+        print(f"asyncrl: error: {err}", file=sys.stderr)
+        print(
+            "asyncrl: the newest verified checkpoint is intact; fix the cause and rerun the "
+            "same command to resume",
+            file=sys.stderr,
+        )
+        return EXIT_FAILED
     print(summary)
     return EXIT_OK
 

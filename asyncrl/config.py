@@ -117,6 +117,9 @@ class RolloutConfig:
     max_trajectory_age_steps: int = 1
     """A: a group trained at step t was generated with weights versions in [t-A, t].
     0 is exactly synchronous, on-policy training."""
+    max_generation_failures: int = 3
+    """Failed generation batches in a row (an exception in the engine or the reward function)
+    after which the run stops; each failed batch is re-dispatched first."""
     groups_per_batch: int = 0
     """Prompt groups the engine generates together in one batch; 0 means N (one step's worth).
     Smaller batches make groups land in the buffer a few at a time."""
@@ -127,6 +130,12 @@ class RolloutConfig:
         for key in ("num_prompts_per_step", "num_generations_per_prompt", "max_new_tokens"):
             _require(getattr(self, key) >= 1, f"rollout.{key}", getattr(self, key), ">= 1")
         _require(self.temperature > 0, "rollout.temperature", self.temperature, "> 0")
+        _require(
+            self.max_generation_failures >= 1,
+            "rollout.max_generation_failures",
+            self.max_generation_failures,
+            ">= 1",
+        )
         _require(
             self.groups_per_batch >= 0, "rollout.groups_per_batch", self.groups_per_batch, ">= 0"
         )
@@ -230,6 +239,7 @@ SECTIONS: dict[str, type] = dict(typing.get_type_hints(Config))
 
 BENIGN_KEYS = frozenset(
     {"run.max_num_steps", "run.torch_threads", "rollout.backend", "rollout.groups_per_batch"}
+    | {"rollout.max_generation_failures"}
     | {f"checkpoint.{f.name}" for f in dataclasses.fields(CheckpointConfig)}
     | {f"logging.{f.name}" for f in dataclasses.fields(LoggingConfig)}
 )

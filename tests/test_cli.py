@@ -15,7 +15,7 @@ from asyncrl.cli import build_parser, parse_args
 from asyncrl.config import config_keys
 
 FROZEN_COMMANDS = {
-    "train": {"config", "--run-dir", "overrides"},
+    "train": {"config", "--run-dir", "--restart", "--force-config", "overrides"},
     "inspect": {"run_dir", "--json"},
     "audit": {"run_dir"},
 }
@@ -27,7 +27,7 @@ FROZEN_CONFIG_KEYS = [
     "data.task", "data.path", "data.reward_fn", "data.num_digits", "data.num_examples",
     "rollout.num_prompts_per_step", "rollout.num_generations_per_prompt",
     "rollout.max_new_tokens", "rollout.temperature", "rollout.max_trajectory_age_steps",
-    "rollout.groups_per_batch", "rollout.backend",
+    "rollout.max_generation_failures", "rollout.groups_per_batch", "rollout.backend",
     "algo.name", "algo.lr", "algo.weight_decay", "algo.max_grad_norm", "algo.clip_eps",
     "checkpoint.save_period", "checkpoint.keep_last", "checkpoint.resume_policy",
     "logging.progress", "logging.tensorboard", "logging.plot",

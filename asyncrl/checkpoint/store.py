@@ -115,6 +115,13 @@ class CheckpointStore:
             fault_point("checkpoint.renamed")
             _fsync_dir(self.root)
             fault_point("checkpoint.parent_fsynced")
+        except OSError as err:  # disk full, I/O error: nothing of this save stays behind
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise CheckpointError(
+                f"{err.filename or tmp}: writing the checkpoint of step {step} failed: "
+                f"[Errno {err.errno}] {err.strerror}; removed {tmp}, the previous checkpoint is "
+                "untouched"
+            ) from err
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             raise

@@ -13,6 +13,7 @@ next batch on, so every group trained at step t was generated with a version >= 
 from __future__ import annotations
 
 import hashlib
+import math
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -31,7 +32,12 @@ from asyncrl.tasks.source import Task
 
 
 class GenerationFailed(RuntimeError):
-    """The generation worker stopped with an exception; the cause is chained."""
+    """Generation failed `rollout.max_generation_failures` times in a row, or can never complete
+    a step; the cause is chained."""
+
+
+class RewardError(RuntimeError):
+    """The reward function raised or returned a non-finite value; names the ordinal."""
 
 
 def noise_seed(seed: int, ordinal: int) -> int:
@@ -72,11 +78,18 @@ class Scorer:
         self.tokenizer = tokenizer
 
     def __call__(self, ticket: PromptTicket, output: GenerationOutput) -> torch.Tensor:
-        answer = self.task.examples[ticket.dataset_index].answer
+        example = self.task.examples[ticket.dataset_index]
         rewards = []
         for ids, mask in zip(output.completion_ids, output.completion_mask, strict=True):
-            text = self.tokenizer.decode(ids[mask].tolist(), skip_special_tokens=True)
-            rewards.append(float(self.task.reward_fn(str(text), answer)))
+            text = str(self.tokenizer.decode(ids[mask].tolist(), skip_special_tokens=True))
+            where = f"{self.task.reward_fn_name} on ordinal {ticket.ordinal} ({example.origin})"
+            try:
+                value = float(self.task.reward_fn(text, example.answer))
+            except Exception as err:
+                raise RewardError(f"{where} raised {err!r} for completion {text!r}") from err
+            if not math.isfinite(value):
+                raise RewardError(f"{where} returned {value} for completion {text!r}")
+            rewards.append(value)
         return torch.tensor(rewards, dtype=torch.float32)
 
 
@@ -122,6 +135,7 @@ class Collector:
         batch_groups: int,
         on_batch: Callable[[float, float, int, list[PromptTicket]], None] | None = None,
         pin_versions: bool = False,
+        max_failures: int = 3,
     ) -> None:
         self.ledger = ledger
         self.buffer = buffer
@@ -134,6 +148,9 @@ class Collector:
         self.batch_groups = batch_groups
         self.on_batch = on_batch
         self.pin_versions = pin_versions
+        self.max_failures = max_failures
+        self.num_failures = 0  # every failed batch, for the metrics
+        self._consecutive_failures = 0
         self._version = engine.weights_version
         self._cond = threading.Condition()
         self._stop = False
@@ -159,9 +176,13 @@ class Collector:
             self._cond.notify_all()
 
     def check(self) -> None:
-        """Raises `GenerationFailed` if the worker died; the trainer calls this while waiting."""
+        """Raises `GenerationFailed` if generation gave up; restarts a dead worker thread. The
+        trainer calls this while it waits."""
         if self._error is not None:
-            raise GenerationFailed(f"generation worker failed: {self._error!r}") from self._error
+            raise GenerationFailed(
+                f"generation failed {self.max_failures} times in a row; last: {self._error}"
+            ) from self._error
+        self.ensure_running()
 
     def check_step_can_complete(self, target_step: int, num_prompts_per_step: int) -> None:
         """Raises if `target_step` can never get its N groups: fewer are buffered, in flight or
@@ -198,14 +219,32 @@ class Collector:
             return []
 
     def _run(self) -> None:
-        tickets: list[PromptTicket] = []
-        try:
-            while tickets := self._admit():
+        """Generates batch after batch. A failed batch goes back to the front of the queue and
+        is tried again; `max_failures` failures in a row stop generation for good."""
+        while tickets := self._admit():
+            try:
                 self._generate(tickets)
-        except BaseException as err:
-            with self._cond:
-                self.ledger.fail([t for t in tickets if t.ordinal in self.ledger.in_flight])
-            self._error = err
+                self._consecutive_failures = 0
+            except Exception as err:
+                with self._cond:
+                    self.ledger.fail([t for t in tickets if t.ordinal in self.ledger.in_flight])
+                self.num_failures += 1
+                self._consecutive_failures += 1
+                print(f"asyncrl: generation failed ({self._consecutive_failures} in a row): {err}")
+                if self._consecutive_failures >= self.max_failures:
+                    self._error = err
+                    return
+
+    def ensure_running(self) -> None:
+        """Restarts the worker thread if it died without being stopped (counted as a
+        failure); its in-flight tickets go back to the front of the queue."""
+        if self._thread.is_alive() or self._stop or self._error is not None:
+            return
+        with self._cond:
+            self.ledger.fail(list(self.ledger.in_flight.values()))
+        self.num_failures += 1
+        self._thread = threading.Thread(target=self._run, name="asyncrl-collector", daemon=True)
+        self._thread.start()
 
     def _generate(self, tickets: list[PromptTicket]) -> None:
         requests = [

@@ -60,6 +60,7 @@ def build_components(config: Config, on_batch: OnBatch | None = None) -> Compone
         batch_groups=rollout.groups_per_batch or rollout.num_prompts_per_step,
         on_batch=on_batch,
         pin_versions=deterministic,
+        max_failures=rollout.max_generation_failures,
     )
     algo = GRPO(policy.model, config.algo, rollout.temperature, policy.pad_id)
     return Components(policy, task, stream, ledger, buffer, engine, collector, algo)

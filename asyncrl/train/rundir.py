@@ -33,6 +33,7 @@ class RunDir:
     snapshot: Snapshot | None = None
     rejected: list[str] = field(default_factory=list)
     lock: IO[str] | None = None
+    forced_changes: list[str] = field(default_factory=list)
 
     @property
     def store(self) -> CheckpointStore:
@@ -68,9 +69,18 @@ def _write_run_json(path: Path, run_id: str) -> None:
     os.rename(tmp, path / "run.json")
 
 
-def open_run_dir(path: Path, config: Config) -> RunDir:
+UNFORCEABLE = ("model.", "rollout.num_prompts_per_step", "rollout.max_trajectory_age_steps")
+"""Keys whose change makes a checkpoint unloadable (weights shapes, buffer layout): never
+overridden, not even by --force-config."""
+
+
+def open_run_dir(
+    path: Path, config: Config, restart: bool = False, force_config: bool = False
+) -> RunDir:
     """Creates a run dir, or reopens one for a resume. Refuses a resume whose semantics-bearing
-    config keys differ from the checkpoint's, naming each `key: checkpoint=X, now=Y`."""
+    config keys differ from the checkpoint's, naming each `key: checkpoint=X, now=Y` (unless
+    `force_config`), and a run dir with history but no verified checkpoint (unless
+    `restart`)."""
     run_json = path / "run.json"
     if run_json.is_file():
         run_id = json.loads(run_json.read_text())["run_id"]
@@ -85,22 +95,48 @@ def open_run_dir(path: Path, config: Config) -> RunDir:
     CheckpointStore(path / "checkpoints", run_id).clean_temp()  # ours, and we hold the lock
     starts = [e for e in read_jsonl(path / "events.jsonl") if e.get("event") == "start"]
     run = RunDir(path=path, run_id=run_id, attempt=len(starts), lock=lock)
-    rollout = config.rollout
-    capacity = (rollout.max_trajectory_age_steps + 1) * rollout.num_prompts_per_step
+    try:
+        _find_checkpoint(run, config, restart, force_config)
+    except BaseException:
+        lock.close()
+        raise
+    (path / "config.yaml").write_text(dump_config(config))
+    return run
+
+
+def _find_checkpoint(run: RunDir, config: Config, restart: bool, force_config: bool) -> None:
+    path = run.path
 
     def load(verified: Verified) -> None:
-        run.snapshot = decode(verified)
-        check_cut(run.snapshot, rollout.num_prompts_per_step, capacity)
+        snapshot = decode(verified)
+        saved = snapshot.config["rollout"]  # judged by its own config, not the new one
+        n = int(saved["num_prompts_per_step"])
+        check_cut(snapshot, n, (int(saved["max_trajectory_age_steps"]) + 1) * n)
+        run.snapshot = snapshot
 
     run.latest, run.rejected = run.store.latest(check=load)
     if run.latest is not None and run.snapshot is not None:
-        saved = run.snapshot.config
-        differences = semantic_differences(saved, config)
-        if differences:
+        differences = semantic_differences(run.snapshot.config, config)
+        hard = [d for d in differences if d.startswith(UNFORCEABLE)]
+        if differences and (hard or not force_config):
+            hint = (
+                f"{', '.join(d.split(':')[0] for d in hard)} can never change in a run: "
+                "start a new --run-dir."
+                if hard
+                else "Use the checkpoint's values, pass --force-config to resume anyway (the "
+                "changes are recorded in the resume event), or start a new --run-dir."
+            )
             raise RunDirError(
                 f"{path}: cannot resume step {run.latest.step} with a different config:\n  "
                 + "\n  ".join(differences)
-                + "\nUse the checkpoint's values, or start a new --run-dir."
+                + f"\n{hint}"
             )
-    (path / "config.yaml").write_text(dump_config(config))
-    return run
+        run.forced_changes = differences
+    elif run.attempt > 0 or run.rejected:
+        rejected = "".join(f"\n  rejected: {reason}" for reason in run.rejected)
+        if not restart:
+            raise RunDirError(
+                f"{path} holds a run (attempt {run.attempt}) but no verified checkpoint to "
+                f"resume from.{rejected}\nPass --restart to train again from step 0 (earlier "
+                "records stay, with lower attempt numbers), or choose a new --run-dir."
+            )

@@ -41,6 +41,7 @@ from asyncrl.core.resume import ResumePlan, SavedLedger, plan_resume
 from asyncrl.core.tensors import clone_state
 from asyncrl.core.types import Group, PromptTicket
 from asyncrl.faults import fault_point
+from asyncrl.rollout.collector import GenerationFailed
 from asyncrl.train.components import build_components
 from asyncrl.train.records import EventLog, JsonlLog, MetricsSink, TensorBoardSink, read_jsonl
 from asyncrl.train.report import plot_reward_curve, summarize
@@ -143,6 +144,11 @@ class Trainer:
         """Loads the run dir's newest verified checkpoint, if any, and records the resume."""
         for reason in self.run.rejected:
             print(f"asyncrl: skipping checkpoint: {reason}")
+        if self.run.rejected:
+            fallback = (
+                self.run.latest.path if self.run.latest else "nothing (no verified checkpoint)"
+            )
+            print(f"asyncrl: falling back to {fallback}")
         snapshot = self.run.snapshot
         if snapshot is None:
             if self.attempt:
@@ -166,6 +172,7 @@ class Trainer:
             refilled_targets=plan.fills,
             rejected_checkpoints=self.run.rejected,
             config_changes=benign_differences(snapshot.config, self.config),
+            forced_config_changes=self.run.forced_changes,
         )
         print(
             f"asyncrl: resumed at step {self.step} (attempt {self.attempt}, {plan.policy}): kept "
@@ -213,6 +220,11 @@ class Trainer:
             self.writer.wait()  # exit 0 only with the final checkpoint written and verified
         except Preempted as stop:
             self._on_preempted(stop)
+            raise
+        except GenerationFailed:
+            # the cut is still consistent (the failed batch is queued as in flight): keep it
+            if self.last_saved_step != self.step:
+                self.checkpoint(wait=True)
             raise
         finally:
             self.parts.collector.stop(timeout_s=1.0)  # a batch still running is not waited for
@@ -329,6 +341,7 @@ class Trainer:
             "generation_s": sum(g.generation_s for g in groups),
             "tokens_sha256": tokens_digest(groups),
             "buffer_groups": len(self.parts.buffer),
+            "generation_failures": self.parts.collector.num_failures,
             **algo,
         }
 
@@ -376,9 +389,15 @@ def latest_records(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return [by_step[s] for s in sorted(by_step)]
 
 
-def train(config: Config, run_dir: Path, stop: StopRequest | None = None) -> str:
+def train(
+    config: Config,
+    run_dir: Path,
+    stop: StopRequest | None = None,
+    restart: bool = False,
+    force_config: bool = False,
+) -> str:
     """Starts or resumes the run in `run_dir`; returns the end-of-run summary."""
-    run = open_run_dir(run_dir, config)
+    run = open_run_dir(run_dir, config, restart=restart, force_config=force_config)
     try:
         trainer = Trainer(config, run, stop)
         try:

@@ -1,0 +1,28 @@
+"""Twenty SIGKILLs at random wall-clock moments (benchmarks/chaos.py; `make chaos` runs 200)."""
+
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.slow
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+
+from chaos import ChaosViolation, run_chaos  # noqa: E402
+
+
+def test_twenty_random_kills_keep_i1_i3_and_i4(tmp_path):
+    result = run_chaos(trials=20, root=tmp_path, seed=7, log=lambda _: None)
+    assert result["kills"] == 20
+    print(f"chaos: {result['kills']} kills over {result['runs']} runs: I1, I3, I4 held")
+
+
+def test_the_same_chaos_under_a_lossy_resume_policy_is_caught(tmp_path):
+    with pytest.raises(ChaosViolation, match="never trained"):
+        run_chaos(
+            trials=6,
+            root=tmp_path,
+            seed=7,
+            log=lambda _: None,
+            extra=["checkpoint.resume_policy=keep_incomplete", "run.max_num_steps=400"],
+        )
