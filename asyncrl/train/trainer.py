@@ -76,7 +76,6 @@ class Trainer:
         self.attempt = run.attempt
         self.last_saved_step = -1
         self._start_s = time.perf_counter()
-        self.resume_plan: ResumePlan | None = None
         self.writer = CheckpointWriter(
             run.store,
             config_hash(config),
@@ -156,7 +155,6 @@ class Trainer:
             return
         cursor = int(snapshot.ledger["stream"]["cursor"])
         plan = self.load_state_dict(snapshot)
-        self.resume_plan = plan
         for line in plan.messages:
             print(line)
         self.events.emit(
@@ -410,6 +408,3 @@ def train(
     finally:
         if run.lock is not None:
             run.lock.close()  # releases the run dir lock
-
-
-__all__ = ["CheckpointError", "Trainer", "latest_records", "train"]
