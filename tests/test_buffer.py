@@ -86,3 +86,19 @@ def test_state_dict_round_trips_every_group_field():
         assert copy["prompt_ids"] == original.prompt_ids
         assert torch.equal(copy["behaviour_logprobs"], original.behaviour_logprobs)
         assert torch.equal(copy["rewards"], original.rewards)
+
+
+def test_the_wait_check_runs_without_the_buffer_lock_held():
+    # `check` takes the collector's lock, and the collector takes the buffer's lock to add a
+    # group: calling `check` while holding the buffer's lock could deadlock the two threads.
+    buffer = ReplayBuffer(num_prompts_per_step=3, max_age_steps=0)
+    seen: list[bool] = []
+
+    def check() -> None:
+        other = threading.Thread(target=buffer.add, args=(group(len(seen)),))
+        other.start()
+        other.join(timeout=2)
+        seen.append(not other.is_alive())  # the other thread could take the buffer's lock
+
+    assert [g.ordinal for g in buffer.sample(0, check=check)] == [0, 1, 2]
+    assert seen and all(seen)

@@ -66,15 +66,18 @@ class ReplayBuffer:
         """Removes and returns the N groups of `target_step`, ordered by ordinal. Blocks until
         they are all buffered; `check` is called while waiting and may raise to abort (for
         example when the generation worker died or a preemption signal arrived)."""
-        with self._cond:
-            while self._count(target_step) < self.num_prompts_per_step:
-                if check is not None:
-                    check()
+        while True:
+            with self._cond:
+                if self._count(target_step) >= self.num_prompts_per_step:
+                    ordinals = sorted(
+                        k for k, g in self._groups.items() if g.target_step == target_step
+                    )
+                    groups = [self._groups.pop(k) for k in ordinals]
+                    self._cond.notify_all()
+                    return groups
                 self._cond.wait(timeout=poll_s)
-            ordinals = sorted(k for k, g in self._groups.items() if g.target_step == target_step)
-            groups = [self._groups.pop(k) for k in ordinals]
-            self._cond.notify_all()
-            return groups
+            if check is not None:
+                check()  # outside the lock: `check` may take the collector's lock
 
     def ordinals_and_targets(self) -> list[tuple[int, int]]:
         with self._cond:
