@@ -228,6 +228,8 @@ class Collector:
             except Exception as err:
                 with self._cond:
                     self.ledger.fail([t for t in tickets if t.ordinal in self.ledger.in_flight])
+                if self._stop:
+                    return  # the run is ending; its logs may already be closed
                 self.num_failures += 1
                 self._consecutive_failures += 1
                 print(f"asyncrl: generation failed ({self._consecutive_failures} in a row): {err}")

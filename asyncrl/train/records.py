@@ -29,6 +29,8 @@ class JsonlLog:
     def write(self, record: dict[str, Any]) -> None:
         line = json.dumps(record, separators=(",", ":"))
         with self._lock:
+            if self._file.closed:
+                return  # a straggling writer after the run ended (e.g. an abandoned batch)
             self._file.write(line + "\n")
             self._file.flush()
 
