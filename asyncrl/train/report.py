@@ -32,7 +32,8 @@ def summarize(records: list[dict[str, Any]], run_dir: Path, wall_s: float) -> st
         f"  time          generation {gen_s:.1f} s, training {train_s:.1f} s, "
         f"trainer waited {wait_s:.1f} s for rollouts",
         "  files         config.yaml metrics.jsonl events.jsonl timeline.jsonl "
-        "reward_curve.png final_model/",
+        "reward_curve.png final_model/ checkpoints/",
+        f"  check         asyncrl audit {run_dir}   |   asyncrl inspect {run_dir}",
     ]
     return "\n".join(lines)
 
