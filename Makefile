@@ -18,7 +18,7 @@ $(STAMP): requirements.txt pyproject.toml
 
 demo: setup
 	$(BIN)/asyncrl train configs/demo.yaml --run-dir $(RUN_DIR)
-	@echo "reward curve: $(RUN_DIR)/reward_curve.png"
+	@echo "plots: $(RUN_DIR)/reward_curve.png and $(RUN_DIR)/plots/ (reward_loss, timeline, staleness, ledger)"
 
 lint: setup
 	$(BIN)/ruff check asyncrl tests benchmarks scripts

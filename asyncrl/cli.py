@@ -46,6 +46,8 @@ def build_parser() -> argparse.ArgumentParser:
     inspect.add_argument("--json", action="store_true", help="machine-readable output")
     audit = commands.add_parser("audit", help="check I1 and I3 from the run's records")
     audit.add_argument("run_dir", help="a run dir")
+    plot = commands.add_parser("plot", help="write the run's plots into DIR/plots/")
+    plot.add_argument("run_dir", help="a run dir")
     return parser
 
 
@@ -124,9 +126,21 @@ def _audit(args: argparse.Namespace) -> int:
     return EXIT_OK if report.ok else EXIT_FAILED
 
 
+def _plot(args: argparse.Namespace) -> int:
+    run_dir = Path(args.run_dir)
+    if not (run_dir / "metrics.jsonl").is_file():
+        print(f"asyncrl: error: {run_dir}: no metrics.jsonl to plot", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    from asyncrl.plots import write_plots
+
+    for path in write_plots(run_dir):
+        print(path)
+    return EXIT_OK
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    commands = {"train": _train, "inspect": _inspect, "audit": _audit}
+    commands = {"train": _train, "inspect": _inspect, "audit": _audit, "plot": _plot}
     return commands[args.command](args)
 
 

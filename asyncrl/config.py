@@ -191,7 +191,8 @@ class LoggingConfig:
     tensorboard: bool = False
     """Also write every metric as TensorBoard scalars under `RUN_DIR/tensorboard/`."""
     plot: bool = True
-    """Write `reward_curve.png` into the run dir at the end of the run."""
+    """At the end of the run, write `reward_curve.png` and the four `plots/` PNGs of
+    `asyncrl plot`."""
 
 
 @dataclass

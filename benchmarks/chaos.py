@@ -45,11 +45,11 @@ class ChaosViolation(AssertionError):
     pass
 
 
-def launch(run_dir: Path, extra: list[str]) -> subprocess.Popen:
+def launch(run_dir: Path, extra: list[str], fault: str = "") -> subprocess.Popen:
     command = [sys.executable, "-m", "asyncrl.cli", "train", str(ROOT / "configs/demo.yaml")]
     return subprocess.Popen(
         [*command, "--run-dir", str(run_dir), "--restart", *RUN, *extra],
-        env={**os.environ, "PYTHONWARNINGS": "ignore"},
+        env={**os.environ, "PYTHONWARNINGS": "ignore", "ASYNCRL_FAULT": fault},
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
     )
@@ -70,21 +70,23 @@ def resumes(run_dir: Path) -> list[dict]:
     return [e for e in read_jsonl(run_dir / "events.jsonl") if e["event"] == "resume"]
 
 
-def launch_and_check(run_dir: Path, run_for_s: float | None, extra: list[str]) -> bool:
+def launch_and_check(
+    run_dir: Path, run_for_s: float | None, extra: list[str], fault: str = ""
+) -> bool:
     """One launch, SIGKILLed after `run_for_s` (None: let it finish). Checks I4 around it: the
     newest verified checkpoint does not go backwards, and a resume starts from it. Returns
     whether the launch was killed."""
     newest = latest_step(run_dir)
     seen = len(resumes(run_dir))
-    proc = launch(run_dir, extra)
+    proc = launch(run_dir, extra, fault)
     deadline = time.monotonic() + (run_for_s if run_for_s is not None else 600)
     while proc.poll() is None and time.monotonic() < deadline:
         time.sleep(0.005)
-    killed = proc.poll() is None
-    if killed:
+    killed = proc.poll() is None or proc.returncode == -signal.SIGKILL  # by us or a fault
+    if proc.poll() is None:
         proc.send_signal(signal.SIGKILL)
         proc.wait(30)
-    elif proc.returncode != 0:
+    elif proc.returncode not in (0, -signal.SIGKILL):
         raise ChaosViolation(f"{run_dir}: a launch exited {proc.returncode}")
     after = resumes(run_dir)
     if len(after) > seen and after[seen]["from_step"] != newest:
@@ -104,16 +106,23 @@ def check_run(run_dir: Path) -> None:
 
 
 def run_chaos(  # type: ignore[no-untyped-def]
-    trials: int, root: Path, seed: int = 0, log=print, extra: list[str] | None = None
+    trials: int,
+    root: Path,
+    seed: int = 0,
+    log=print,
+    extra: list[str] | None = None,
+    fault: str = "",
+    window_s: tuple[float, float] = (0.3, 5.0),
 ) -> dict:
-    """`trials` random kills; raises `ChaosViolation` at the first broken invariant. `extra`
-    config overrides are for the negative control (a lossy resume policy)."""
+    """`trials` kills, each at a random moment in `window_s` after launch (or earlier, by the
+    `ASYNCRL_FAULT` point `fault`); raises `ChaosViolation` at the first broken invariant.
+    `extra` overrides and `fault` are for the negative control."""
     rng = random.Random(seed)
     extra = extra or []
     runs, kills = 0, 0
     while kills < trials:
         run_dir = root / f"run{runs}"
-        if launch_and_check(run_dir, rng.uniform(0.3, 5.0), extra):
+        if launch_and_check(run_dir, rng.uniform(*window_s), extra, fault):
             kills += 1
             if kills % 10 == 0:
                 log(f"chaos: {kills}/{trials} kills, {runs + 1} runs")

@@ -18,6 +18,7 @@ FROZEN_COMMANDS = {
     "train": {"config", "--run-dir", "--restart", "--force-config", "overrides"},
     "inspect": {"run_dir", "--json"},
     "audit": {"run_dir"},
+    "plot": {"run_dir"},
 }
 
 FROZEN_CONFIG_KEYS = [

@@ -41,6 +41,7 @@ from asyncrl.core.resume import ResumePlan, SavedLedger, plan_resume
 from asyncrl.core.tensors import clone_state
 from asyncrl.core.types import Group, PromptTicket
 from asyncrl.faults import fault_point
+from asyncrl.plots import write_plots
 from asyncrl.rollout.collector import GenerationFailed
 from asyncrl.train.components import build_components
 from asyncrl.train.records import EventLog, JsonlLog, MetricsSink, TensorBoardSink, read_jsonl
@@ -269,7 +270,7 @@ class Trainer:
         self.timeline.write(
             {
                 "kind": "train",
-                "start": train_start,
+                "start": unix_time(train_start),
                 "seconds": trained - train_start,
                 "step": step,
                 "attempt": self.attempt,
@@ -316,7 +317,7 @@ class Trainer:
         self.timeline.write(
             {
                 "kind": "generate",
-                "start": start,
+                "start": unix_time(start),
                 "seconds": elapsed,
                 "version": version,
                 "attempt": self.attempt,
@@ -361,6 +362,7 @@ class Trainer:
         records = latest_records(read_jsonl(self.run_dir / "metrics.jsonl"))
         if self.config.logging.plot and records:
             plot_reward_curve(records, self.run_dir / "reward_curve.png")
+            write_plots(self.run_dir)
         return summarize(records, self.run_dir, records[-1]["wall_s"] if records else wall_s)
 
     def close(self) -> None:
@@ -368,6 +370,12 @@ class Trainer:
             sink.close()
         for log in (self.metrics, self.events, self.timeline):
             log.close()
+
+
+def unix_time(perf_s: float) -> float:
+    """The wall-clock time of a `time.perf_counter()` reading (timeline spans of different
+    launches must share one clock)."""
+    return time.time() - (time.perf_counter() - perf_s)
 
 
 def tokens_digest(groups: list[Group]) -> str:

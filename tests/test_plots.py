@@ -1,0 +1,103 @@
+"""`asyncrl plot`: every picture renders from a short real run with a resume, with the series
+and marks the records call for (checked on the figure objects, not just the files)."""
+
+from __future__ import annotations
+
+import matplotlib.image
+import pytest
+from helpers import read_records, small_config
+
+from asyncrl.plots import (
+    figure_ledger,
+    figure_reward_loss,
+    figure_staleness,
+    figure_timeline,
+    ledger_series,
+    write_plots,
+)
+from asyncrl.train.records import read_jsonl
+from asyncrl.train.trainer import train
+
+N = 4
+
+
+@pytest.fixture(scope="module")
+def resumed_run(tmp_path_factory):
+    """A run trained to step 6, then resumed to step 10 under keep_incomplete: the final
+    checkpoint of the first launch has prompts in flight, which the resume skips."""
+    run = tmp_path_factory.mktemp("plots") / "run"
+    common = ["checkpoint.save_period=3", "rollout.max_trajectory_age_steps=2"]
+    train(small_config(*common, "run.max_num_steps=6"), run)
+    lossy = "checkpoint.resume_policy=keep_incomplete"
+    train(small_config(*common, "run.max_num_steps=10", lossy, "logging.plot=true"), run)
+    return run
+
+
+def records(run):
+    return (
+        read_jsonl(run / "metrics.jsonl"),
+        read_jsonl(run / "events.jsonl"),
+        read_jsonl(run / "timeline.jsonl"),
+    )
+
+
+def test_the_run_writes_four_valid_pngs(resumed_run):
+    paths = sorted((resumed_run / "plots").glob("*.png"))
+    assert [p.name for p in paths] == [
+        "ledger.png",
+        "reward_loss.png",
+        "staleness.png",
+        "timeline.png",
+    ]
+    for path in paths:
+        assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+        height, width = matplotlib.image.imread(path).shape[:2]
+        assert width >= 900 and height >= 300
+    assert [p.name for p in write_plots(resumed_run)] == [
+        "reward_loss.png", "timeline.png", "staleness.png", "ledger.png"
+    ]  # fmt: skip
+
+
+def test_reward_and_loss_mark_every_checkpoint_and_the_resume(resumed_run):
+    metrics, events, _ = records(resumed_run)
+    fig = figure_reward_loss(metrics, events)
+    checkpoints = sum(e["event"] == "checkpoint" for e in events)
+    assert checkpoints >= 4 and sum(e["event"] == "resume" for e in events) == 1
+    for axis in fig.axes:
+        vertical = [
+            ln for ln in axis.lines if len(set(ln.get_xdata())) == 1 and len(ln.get_xdata()) == 2
+        ]
+        assert len(vertical) == checkpoints + 1
+        (curve,) = [ln for ln in axis.lines if len(ln.get_xdata()) == 10]
+        assert list(curve.get_xdata())[:1] in ([0], [metrics[0]["wall_s"]])
+
+
+def test_the_timeline_has_one_bar_per_generation_batch_and_training_step(resumed_run):
+    _, events, timeline = records(resumed_run)
+    fig = figure_timeline(timeline, events)
+    whole = fig.axes[0]
+    gen, train_bars = (c for c in whole.collections)
+    assert len(gen.get_paths()) == sum(s["kind"] == "generate" for s in timeline)
+    assert len(train_bars.get_paths()) == sum(s["kind"] == "train" for s in timeline)
+    relaunches = [ln for ln in whole.lines if ln.get_linestyle() == "--"]
+    assert len(relaunches) == 1
+
+
+def test_staleness_counts_every_step_within_the_bound(resumed_run):
+    metrics, _, _ = records(resumed_run)
+    fig = figure_staleness(metrics, max_age=2)
+    bars = fig.axes[0].patches
+    assert len(bars) == 3 and sum(b.get_height() for b in bars) == 10
+
+
+def test_the_ledger_shows_the_skipped_ordinals_of_the_lossy_resume(resumed_run):
+    metrics, events, timeline = records(resumed_run)
+    (resume,) = [e for e in events if e["event"] == "resume"]
+    series = ledger_series(metrics, events, timeline, N)
+    assert series["skipped"][-1] == len(resume["skipped_ordinals"]) > 0
+    assert max(series["trained"]) == 10 * N
+    fig = figure_ledger(metrics, events, timeline, N)
+    axis = fig.axes[0]
+    assert len(axis.collections) == 4  # trained, buffered, in flight, pending
+    assert [ln.get_label() for ln in axis.lines] == ["skipped (never trained)"]
+    assert read_records(resumed_run / "metrics.jsonl")[-1]["attempt"] == 1
