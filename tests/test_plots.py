@@ -3,6 +3,8 @@ and marks the records call for (checked on the figure objects, not just the file
 
 from __future__ import annotations
 
+import time
+
 import matplotlib.image
 import pytest
 from helpers import read_records, small_config
@@ -15,6 +17,7 @@ from asyncrl.plots import (
     ledger_series,
     write_plots,
 )
+from asyncrl.rollout.engine import TorchGenerationEngine
 from asyncrl.train.records import read_jsonl
 from asyncrl.train.trainer import train
 
@@ -27,7 +30,15 @@ def resumed_run(tmp_path_factory):
     checkpoint of the first launch has prompts in flight, which the resume skips."""
     run = tmp_path_factory.mktemp("plots") / "run"
     common = ["checkpoint.save_period=3", "rollout.max_trajectory_age_steps=2"]
-    train(small_config(*common, "run.max_num_steps=6"), run)
+    real = TorchGenerationEngine.generate
+
+    def slow_generate(self, requests, version=None):  # generation-bound, as LLM RL is: the
+        time.sleep(0.05)  # collector is always mid-batch, so checkpoints have prompts in flight
+        return real(self, requests, version)
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(TorchGenerationEngine, "generate", slow_generate)
+        train(small_config(*common, "run.max_num_steps=6"), run)
     lossy = "checkpoint.resume_policy=keep_incomplete"
     train(small_config(*common, "run.max_num_steps=10", lossy, "logging.plot=true"), run)
     return run
