@@ -14,8 +14,7 @@ from typing import Any
 
 import yaml
 
-from asyncrl.train.records import read_jsonl
-from asyncrl.train.trainer import latest_records
+from asyncrl.train.records import latest_records, read_jsonl
 
 
 @dataclass

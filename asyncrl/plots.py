@@ -21,15 +21,10 @@ import matplotlib.pyplot as plt
 import yaml
 from matplotlib.figure import Figure
 
-from asyncrl.train.records import read_jsonl
+from asyncrl.train.records import latest_records, read_jsonl
 
 Records = list[dict[str, Any]]
 COLORS = {"generate": "tab:orange", "train": "tab:blue", "checkpoint": "0.6", "resume": "tab:red"}
-
-
-def _latest(records: Records) -> Records:
-    by_step = {r["step"]: r for r in records}
-    return [by_step[s] for s in sorted(by_step)]
 
 
 def _events(events: Records, name: str) -> Records:
@@ -39,7 +34,7 @@ def _events(events: Records, name: str) -> Records:
 def figure_reward_loss(metrics: Records, events: Records) -> Figure:
     """2x2: reward and loss against step (top) and wall time (bottom). Grey dotted lines mark
     checkpoints, red dashed lines resumes."""
-    records = _latest(metrics)
+    records = latest_records(metrics)
     wall_of = {r["step"]: r["wall_s"] for r in records}
     steps = [r["step"] for r in records]
     fig, axes = plt.subplots(2, 2, figsize=(10, 6), sharey="col")
@@ -101,7 +96,7 @@ def figure_timeline(timeline: Records, events: Records) -> Figure:
 
 def figure_staleness(metrics: Records, max_age: int) -> Figure:
     """How many steps old the weights were that generated each step's groups."""
-    records = _latest(metrics)
+    records = latest_records(metrics)
     oldest = [r["step"] - r["generation_version_min"] for r in records]
     newest = [r["step"] - r["generation_version_max"] for r in records]
     fig, (hist, per_step) = plt.subplots(1, 2, figsize=(10, 3.4))

@@ -74,3 +74,10 @@ def read_jsonl(path: Path) -> list[dict[str, Any]]:
         except json.JSONDecodeError:
             continue
     return records
+
+
+def latest_records(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The record that counts for each step: the last one written (a step retrained after a
+    resume appears again with a higher attempt), ordered by step."""
+    by_step = {r["step"]: r for r in records}
+    return [by_step[s] for s in sorted(by_step)]

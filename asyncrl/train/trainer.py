@@ -44,7 +44,14 @@ from asyncrl.faults import fault_point
 from asyncrl.plots import write_plots
 from asyncrl.rollout.collector import GenerationFailed
 from asyncrl.train.components import build_components
-from asyncrl.train.records import EventLog, JsonlLog, MetricsSink, TensorBoardSink, read_jsonl
+from asyncrl.train.records import (
+    EventLog,
+    JsonlLog,
+    MetricsSink,
+    TensorBoardSink,
+    latest_records,
+    read_jsonl,
+)
 from asyncrl.train.report import plot_reward_curve, summarize
 from asyncrl.train.rundir import RunDir, open_run_dir
 from asyncrl.train.signals import Preempted, StopRequest
@@ -390,13 +397,6 @@ def tokens_digest(groups: list[Group]) -> str:
         digest.update(group.completion_ids.numpy().tobytes())
         digest.update(group.completion_mask.numpy().tobytes())
     return digest.hexdigest()[:16]
-
-
-def latest_records(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """The record that counts for each step: the last one written (a step retrained after a
-    resume appears again with a higher attempt), ordered by step."""
-    by_step = {r["step"]: r for r in records}
-    return [by_step[s] for s in sorted(by_step)]
 
 
 def train(
