@@ -53,7 +53,10 @@ def test_an_int_field_accepts_an_int_given_for_a_float():
     [
         (["rollout.num_prompt_per_step=8"], "did you mean rollout.num_prompts_per_step"),
         (["rolout.temperature=1"], "did you mean rollout.temperature"),
-        (["algo.name=ppoo"], "algo.name: got 'ppoo', allowed values: 'grpo'"),
+        (["algo.name=ppoo"], "algo.name: got 'ppoo', allowed values: 'grpo', 'ppo'"),
+        (["algo.kl_in_reward=true"], "only `ppo` has per-token rewards"),
+        (["algo.tis_cap=0.5"], "algo.tis_cap: got 0.5, must be 0 or >= 1"),
+        (["algo.num_minibatches=300"], "at most the N*G=256 samples of a step"),
         (["rollout.num_prompts_per_step=0"], "rollout.num_prompts_per_step: got 0, must be >= 1"),
         (["rollout.num_prompts_per_step=2.5"], "expected int"),
         (["rollout.temperature=hot"], "rollout.temperature: got 'hot'"),

@@ -41,7 +41,7 @@ def test_behaviour_logprobs_match_a_full_forward_pass(policy):
     mask = torch.cat([o.completion_mask for o in outputs])
     sampled = torch.cat([o.logprobs for o in outputs])
     with torch.no_grad():
-        full = completion_logprobs(policy.model, prompts, ids, mask, 0.8, policy.pad_id)
+        full, _ = completion_logprobs(policy.model, prompts, ids, mask, 0.8, policy.pad_id)
     assert torch.allclose(full[mask], sampled[mask], atol=1e-5)
     assert (sampled[mask] < 0).all() and (sampled[~mask] == 0).all()
 

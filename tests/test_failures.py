@@ -19,6 +19,7 @@ from asyncrl.rollout.engine import TorchGenerationEngine
 from asyncrl.train import grpo
 from asyncrl.train.rundir import RunDirError
 from asyncrl.train.trainer import train
+from asyncrl.train.update import NonFiniteLoss
 
 
 def flaky_generate(monkeypatch, fail_calls: set[int], error: BaseException) -> None:
@@ -102,7 +103,7 @@ def test_a_nan_loss_stops_the_run_and_is_never_checkpointed(tmp_path, monkeypatc
 
     monkeypatch.setattr(grpo.ClippedPolicyLoss, "__call__", poisoned)
     run = tmp_path / "run"
-    with pytest.raises(grpo.NonFiniteLoss, match="loss is nan; the step was not applied"):
+    with pytest.raises(NonFiniteLoss, match="loss is nan; the step was not applied"):
         train(small_config("run.max_num_steps=8", "checkpoint.save_period=2"), run)
     steps = sorted(int(p.name[5:]) for p in (run / "checkpoints").glob("step_*"))
     assert steps == [2]  # nothing saved at or after the poisoned step 3

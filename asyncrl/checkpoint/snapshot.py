@@ -2,7 +2,8 @@
 
 Files of a checkpoint directory:
     model.safetensors   policy weights (tied tensors stored once, aliases in state.json)
-    state.safetensors   optimizer tensors, replay-buffer tensors, torch RNG state
+    state.safetensors   optimizer tensors, replay-buffer tensors, torch RNG state; for PPO
+                        the critic's weights and its optimizer's tensors
     state.json          step, weights version, ledger, buffer metadata, optimizer
                         hyperparameters, Python/NumPy RNG state, config
 Nothing is a pickle: loading a checkpoint cannot execute code (DESIGN.md I7).
@@ -41,6 +42,10 @@ class Snapshot:
     config: dict[str, Any]
     generation: dict[int, dict[str, torch.Tensor]] = field(default_factory=dict)
     """Deterministic mode: the older weights versions the engine still has to generate with."""
+    critic: dict[str, torch.Tensor] = field(default_factory=dict)
+    """PPO: the critic's weights (empty for GRPO)."""
+    critic_optimizer: dict[str, Any] = field(default_factory=dict)
+    """PPO: the critic optimizer's state_dict (empty for GRPO)."""
 
 
 def capture_rng() -> dict[str, Any]:
@@ -74,17 +79,54 @@ def _dedupe(state: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], di
     return tensors, aliases
 
 
+def _encode_optimizer(
+    optimizer: dict[str, Any], prefix: str, tensors: dict[str, torch.Tensor]
+) -> dict[str, Any]:
+    """Moves an optimizer state_dict's tensors into `tensors` under `prefix/`; returns the rest
+    (JSON)."""
+    scalars: dict[str, dict[str, Any]] = {}
+    for index, entry in optimizer["state"].items():
+        for key, value in entry.items():
+            if isinstance(value, torch.Tensor):
+                tensors[f"{prefix}/{index}/{key}"] = value.detach().contiguous()
+            else:
+                scalars.setdefault(str(index), {})[key] = value
+    return {
+        "param_groups": optimizer["param_groups"],
+        "state_indices": [str(i) for i in optimizer["state"]],
+        "scalars": scalars,
+    }
+
+
+def _decode_optimizer(
+    meta: dict[str, Any], prefix: str, tensors: dict[str, torch.Tensor]
+) -> dict[str, Any]:
+    state: dict[int, dict[str, Any]] = {}
+    for index in meta["state_indices"]:
+        start = f"{prefix}/{index}/"
+        entry: dict[str, Any] = {
+            k[len(start) :]: v for k, v in tensors.items() if k.startswith(start)
+        }
+        entry.update(meta["scalars"].get(index, {}))
+        state[int(index)] = entry
+    param_groups = [
+        {**g, "betas": tuple(g["betas"])} if "betas" in g else g for g in meta["param_groups"]
+    ]
+    return {"state": state, "param_groups": param_groups}
+
+
 def encode(snapshot: Snapshot) -> dict[str, bytes]:
     """The checkpoint files of a snapshot, as bytes."""
     model, aliases = _dedupe(snapshot.model)
     tensors: dict[str, torch.Tensor] = {"rng/torch": snapshot.rng["torch"]}
-    optimizer_scalars: dict[str, dict[str, Any]] = {}
-    for index, entry in snapshot.optimizer["state"].items():
-        for key, value in entry.items():
-            if isinstance(value, torch.Tensor):
-                tensors[f"optimizer/{index}/{key}"] = value.detach().contiguous()
-            else:
-                optimizer_scalars.setdefault(str(index), {})[key] = value
+    optimizer = _encode_optimizer(snapshot.optimizer, "optimizer", tensors)
+    critic_optimizer = (
+        _encode_optimizer(snapshot.critic_optimizer, "critic_optimizer", tensors)
+        if snapshot.critic_optimizer
+        else None
+    )
+    critic, critic_aliases = _dedupe(snapshot.critic)
+    tensors.update({f"critic/{k}": v for k, v in critic.items()})
     groups_meta = []
     for group in snapshot.buffer["groups"]:
         ordinal = group["ticket"]["ordinal"]
@@ -101,11 +143,9 @@ def encode(snapshot: Snapshot) -> dict[str, bytes]:
         "trainer": snapshot.trainer,
         "ledger": snapshot.ledger,
         "buffer": {"groups": groups_meta},
-        "optimizer": {
-            "param_groups": snapshot.optimizer["param_groups"],
-            "state_indices": [str(i) for i in snapshot.optimizer["state"]],
-            "scalars": optimizer_scalars,
-        },
+        "optimizer": optimizer,
+        "critic_optimizer": critic_optimizer,
+        "critic_aliases": critic_aliases if snapshot.critic else None,
         "rng": {
             "python": list(snapshot.rng["python"]),
             "numpy": [numpy_state[0], numpy_state[1].tolist(), *numpy_state[2:]],
@@ -184,18 +224,16 @@ def _assemble(
 ) -> Snapshot:
     for alias, name in state["model_aliases"].items():
         model[alias] = model[name]
-    opt = state["optimizer"]
-    optimizer_state: dict[int, dict[str, Any]] = {}
-    for index in opt["state_indices"]:
-        prefix = f"optimizer/{index}/"
-        entry: dict[str, Any] = {
-            k[len(prefix) :]: v for k, v in tensors.items() if k.startswith(prefix)
-        }
-        entry.update(opt["scalars"].get(index, {}))
-        optimizer_state[int(index)] = entry
-    param_groups = [
-        {**g, "betas": tuple(g["betas"])} if "betas" in g else g for g in opt["param_groups"]
-    ]
+    critic: dict[str, torch.Tensor] = {}
+    if state.get("critic_aliases") is not None:
+        critic = {k[len("critic/") :]: v for k, v in tensors.items() if k.startswith("critic/")}
+        for alias, name in state["critic_aliases"].items():
+            critic[alias] = critic[name]
+    critic_optimizer = (
+        _decode_optimizer(state["critic_optimizer"], "critic_optimizer", tensors)
+        if state.get("critic_optimizer")
+        else {}
+    )
     groups = []
     for meta in state["buffer"]["groups"]:
         ordinal = meta["ticket"]["ordinal"]
@@ -211,10 +249,12 @@ def _assemble(
     return Snapshot(
         trainer=state["trainer"],
         model=model,
-        optimizer={"state": optimizer_state, "param_groups": param_groups},
+        optimizer=_decode_optimizer(state["optimizer"], "optimizer", tensors),
         ledger=state["ledger"],
         buffer={"groups": groups},
         rng={"python": python_rng, "numpy": state["rng"]["numpy"], "torch": tensors["rng/torch"]},
         config=state["config"],
         generation=generation,
+        critic=critic,
+        critic_optimizer=critic_optimizer,
     )

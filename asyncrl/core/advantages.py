@@ -15,3 +15,87 @@ def group_advantages(rewards: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     mean = rewards.mean(dim=1, keepdim=True)
     std = rewards.std(dim=1, keepdim=True, unbiased=False)
     return (rewards - mean) / (std + eps)
+
+
+def last_token(mask: torch.Tensor) -> torch.Tensor:
+    """[B, T] bool: true at each row's last real token (where its episode ends). A row with no
+    real token has none."""
+    mask = mask.bool()
+    index = torch.arange(mask.shape[1]).expand_as(mask)
+    last = torch.where(mask, index, -1).max(dim=1).values  # [B]
+    return index == last.unsqueeze(1)
+
+
+def terminal_rewards(sequence_rewards: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """The token-level reward of an outcome-rewarded completion: each row's sequence reward
+    [B] on its last real token, 0 elsewhere. [B] x [B, T] -> [B, T]."""
+    return last_token(mask).to(sequence_rewards.dtype) * sequence_rewards.unsqueeze(1)
+
+
+def gae(
+    rewards: torch.Tensor,
+    values: torch.Tensor,
+    dones: torch.Tensor,
+    last_values: torch.Tensor,
+    gamma: float,
+    lam: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Generalized advantage estimation (Schulman et al. 2016), vectorised over the batch.
+
+    rewards, values, dones: [B, T]; `values[:, t]` is V(s_t), `dones[:, t]` says the episode
+    ended with step t (nothing after it is bootstrapped); last_values: [B], V of the state
+    after step T-1, used only where step T-1 is not an episode end (a truncated rollout).
+    Returns (advantages, returns), both [B, T], with returns = advantages + values, the
+    critic's regression target:
+
+        delta_t = r_t + gamma * V(s_{t+1}) * (1 - done_t) - V(s_t)
+        A_t     = delta_t + gamma * lam * (1 - done_t) * A_{t+1}
+    """
+    advantages = torch.zeros_like(rewards)
+    running = torch.zeros_like(last_values)
+    next_value = last_values
+    for t in reversed(range(rewards.shape[1])):
+        live = 1.0 - dones[:, t].to(rewards.dtype)
+        delta = rewards[:, t] + gamma * next_value * live - values[:, t]
+        running = delta + gamma * lam * live * running
+        advantages[:, t] = running
+        next_value = values[:, t]
+    return advantages, advantages + values
+
+
+def whiten(values: torch.Tensor, mask: torch.Tensor, eps: float = 1e-8) -> torch.Tensor:
+    """Normalises `values` to mean 0, std 1 over the positions where `mask` is true (population
+    std); masked positions become 0. PPO's advantage normalisation over a batch of tokens."""
+    mask = mask.bool()
+    real = values[mask]
+    mean = real.mean()
+    std = real.std(unbiased=False) if real.numel() > 1 else torch.zeros(())
+    return torch.where(mask, (values - mean) / (std + eps), torch.zeros_like(values))
+
+
+def ppo_advantages(
+    sequence_rewards: torch.Tensor,
+    values: torch.Tensor,
+    mask: torch.Tensor,
+    gamma: float,
+    lam: float,
+    normalize: bool,
+    token_penalty: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """PPO's advantages for outcome-rewarded completions, one episode per row.
+
+    sequence_rewards: [B]; values: [B, T] V(s_t) from the critic; mask: [B, T] real tokens;
+    token_penalty: [B, T] subtracted from each token's reward (the KL penalty, when it goes in
+    the reward). Each episode ends at its last real token, so nothing is bootstrapped past it.
+    Returns (advantages, returns, raw advantages), [B, T] each, zero at masked positions;
+    `advantages` are whitened when `normalize`.
+    """
+    real = mask.to(values.dtype)
+    rewards = terminal_rewards(sequence_rewards, mask)
+    if token_penalty is not None:
+        rewards = rewards - token_penalty * real
+    raw, returns = gae(
+        rewards, values * real, last_token(mask), torch.zeros(len(values)), gamma, lam
+    )
+    raw, returns = raw * real, returns * real
+    return (whiten(raw, mask) if normalize else raw), returns, raw

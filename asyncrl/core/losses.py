@@ -1,10 +1,14 @@
-"""Policy losses. Pure tensor functions and small classes."""
+"""Policy and value losses, and the estimators they use. Pure tensor functions and small
+classes, shared by GRPO and PPO."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal
 
 import torch
+
+KLEstimator = Literal["k1", "k3"]
 
 
 def masked_mean(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -15,12 +19,14 @@ def masked_mean(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
 
 @dataclass
 class ClippedPolicyLoss:
-    """PPO's clipped surrogate against the *behaviour* log-probs.
+    """PPO's clipped surrogate, `-mean(w * min(r * A, clip(r, 1-eps, 1+eps) * A))` over real
+    tokens, with `r = exp(logp - old_logp)`.
 
-    The ratio `exp(logp - behaviour_logp)` is both the PPO trust-region ratio and the
-    importance-sampling correction for the off-policy lag of async generation: the behaviour
-    policy is whatever weights version generated the token. Loss is the token-level mean over
-    all real completion tokens of the batch.
+    GRPO passes the *behaviour* log-probs as `old_logprobs` (and no weights): the ratio is then
+    both the trust-region ratio and the importance-sampling correction for the off-policy lag
+    of async generation. PPO passes its own log-probs from the start of the step (the proximal
+    policy) and corrects the lag with separate, truncated weights `w` (see
+    `truncated_is_weights`), so its clip stays a trust region across epochs and minibatches.
     """
 
     clip_eps: float = 0.2
@@ -28,18 +34,20 @@ class ClippedPolicyLoss:
     def __call__(
         self,
         logprobs: torch.Tensor,  # [B, T] under the current policy
-        behaviour_logprobs: torch.Tensor,  # [B, T] recorded at generation
+        old_logprobs: torch.Tensor,  # [B, T] the clip's anchor
         advantages: torch.Tensor,  # [B, T] or [B, 1]
         mask: torch.Tensor,  # [B, T] bool
+        is_weights: torch.Tensor | None = None,  # [B, T], no gradient
     ) -> tuple[torch.Tensor, dict[str, float]]:
-        log_ratio = logprobs - behaviour_logprobs
+        log_ratio = logprobs - old_logprobs
         ratio = torch.exp(log_ratio)
         clipped = ratio.clamp(1.0 - self.clip_eps, 1.0 + self.clip_eps)
-        surrogate = torch.minimum(ratio * advantages, clipped * advantages)
+        unweighted = torch.minimum(ratio * advantages, clipped * advantages)
+        surrogate = unweighted if is_weights is None else is_weights * unweighted
         loss = -masked_mean(surrogate, mask)
         with torch.no_grad():
-            was_clipped = (ratio * advantages != surrogate).float()
-            approx_kl = (ratio - 1.0) - log_ratio  # k3 estimator of KL(behaviour || current)
+            was_clipped = (ratio * advantages != unweighted).float()
+            approx_kl = (ratio - 1.0) - log_ratio  # k3 estimator of KL(old || current)
             real = mask.bool()
             stats = {
                 "clip_frac": float(masked_mean(was_clipped, mask)),
@@ -48,3 +56,77 @@ class ClippedPolicyLoss:
                 "ratio_max": float(ratio[real].max()) if real.any() else 1.0,
             }
         return loss, stats
+
+
+@dataclass
+class ClippedValueLoss:
+    """The critic's clipped regression to the returns (PPO2):
+    `0.5 * mean(max((V - R)^2, (V_clip - R)^2))` over real tokens, with
+    `V_clip = V_old + clip(V - V_old, -eps, eps)`; `clip_eps = 0` is plain squared error."""
+
+    clip_eps: float = 0.2
+
+    def __call__(
+        self,
+        values: torch.Tensor,  # [B, T] under the current critic
+        old_values: torch.Tensor,  # [B, T] at the start of the step
+        returns: torch.Tensor,  # [B, T]
+        mask: torch.Tensor,  # [B, T] bool
+    ) -> tuple[torch.Tensor, dict[str, float]]:
+        error = (values - returns) ** 2
+        if self.clip_eps > 0:
+            clipped = old_values + (values - old_values).clamp(-self.clip_eps, self.clip_eps)
+            clipped_error = (clipped - returns) ** 2
+            loss_per_token = torch.maximum(error, clipped_error)
+            clip_frac = float(masked_mean((clipped_error > error).float(), mask))
+        else:
+            loss_per_token, clip_frac = error, 0.0
+        return 0.5 * masked_mean(loss_per_token, mask), {"value_clip_frac": clip_frac}
+
+
+def kl_estimate(
+    logprobs: torch.Tensor, ref_logprobs: torch.Tensor, estimator: KLEstimator
+) -> torch.Tensor:
+    """Per-token estimate of KL(current || reference) from tokens sampled by the policy
+    (Schulman, "Approximating KL divergence"): `k1 = logp - ref_logp` (unbiased, can be
+    negative), `k3 = exp(ref_logp - logp) - (ref_logp - logp) - 1` (unbiased, never negative,
+    lower variance)."""
+    if estimator == "k1":
+        return logprobs - ref_logprobs
+    log_ratio = ref_logprobs - logprobs
+    return torch.exp(log_ratio) - log_ratio - 1.0
+
+
+def truncated_is_weights(
+    proximal_logprobs: torch.Tensor,
+    behaviour_logprobs: torch.Tensor,
+    mask: torch.Tensor,
+    cap: float,
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """Token-level importance weights `pi_prox / pi_behaviour` for tokens generated by older
+    weights (or by a different engine), truncated at `cap` as in TIS (Yao et al. 2025); `cap
+    = 0` leaves them untruncated. Detached: they scale the gradient, they are not optimised."""
+    with torch.no_grad():
+        weights = torch.exp(proximal_logprobs - behaviour_logprobs)
+        real = mask.bool()
+        raw = weights[real] if real.any() else torch.ones(1)
+        stats = {
+            "is_ratio_mean": float(raw.mean()),
+            "is_ratio_max": float(raw.max()),
+            "is_ratio_min": float(raw.min()),
+            "is_truncated_frac": float((raw > cap).float().mean()) if cap > 0 else 0.0,
+        }
+        if cap > 0:
+            weights = weights.clamp(max=cap)
+    return weights, stats
+
+
+def explained_variance(values: torch.Tensor, returns: torch.Tensor, mask: torch.Tensor) -> float:
+    """`1 - Var(R - V) / Var(R)` over real tokens: 1 is a perfect critic, 0 one no better than
+    the mean return, negative one worse than that."""
+    real = mask.bool()
+    r, v = returns[real], values[real]
+    if r.numel() < 2:
+        return 0.0
+    var_r = float(r.var(unbiased=False))
+    return 1.0 - float((r - v).var(unbiased=False)) / max(var_r, 1e-12)

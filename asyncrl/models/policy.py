@@ -112,6 +112,25 @@ def position_ids(attention_mask: torch.Tensor) -> torch.Tensor:
     return (attention_mask.cumsum(-1) - 1).clamp(min=0)
 
 
+def join_completions(
+    prompts: list[list[int]],
+    completion_ids: torch.Tensor,
+    completion_mask: torch.Tensor,
+    pad_id: int,
+) -> tuple[dict[str, torch.Tensor], int]:
+    """Model inputs for prompt + completion rows (prompts left-padded, completions right-padded)
+    and the prompt width P: the output at position P-1+t is the one that sees the prompt and
+    completion tokens before t."""
+    prompt_ids, prompt_mask = left_pad(prompts, pad_id)
+    attention = torch.cat([prompt_mask, completion_mask.long()], dim=1)
+    inputs = {
+        "input_ids": torch.cat([prompt_ids, completion_ids], dim=1),
+        "attention_mask": attention,
+        "position_ids": position_ids(attention),
+    }
+    return inputs, prompt_ids.shape[1]
+
+
 def completion_logprobs(
     model: PreTrainedModel,
     prompts: list[list[int]],
@@ -119,16 +138,15 @@ def completion_logprobs(
     completion_mask: torch.Tensor,  # [B, T] bool
     temperature: float,
     pad_id: int,
-) -> torch.Tensor:
+    with_entropy: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Log-probs [B, T] of each completion token under `model` at `temperature`, from one
-    full forward pass over prompt + completion. Masked positions hold garbage; mask them."""
-    prompt_ids, prompt_mask = left_pad(prompts, pad_id)
-    width = prompt_ids.shape[1]
-    input_ids = torch.cat([prompt_ids, completion_ids], dim=1)
-    attention = torch.cat([prompt_mask, completion_mask.long()], dim=1)
-    logits = model(
-        input_ids=input_ids, attention_mask=attention, position_ids=position_ids(attention)
-    ).logits
+    full forward pass over prompt + completion, and (`with_entropy`) the entropy [B, T] of each
+    position's token distribution. Masked positions hold garbage; mask them."""
+    inputs, width = join_completions(prompts, completion_ids, completion_mask, pad_id)
+    logits = model(**inputs).logits
     logits = logits[:, width - 1 : -1].float() / temperature  # predicts completion tokens
     logprobs = torch.log_softmax(logits, dim=-1)
-    return logprobs.gather(-1, completion_ids.unsqueeze(-1)).squeeze(-1)
+    chosen = logprobs.gather(-1, completion_ids.unsqueeze(-1)).squeeze(-1)
+    entropy = -(logprobs.exp() * logprobs).sum(-1) if with_entropy else None
+    return chosen, entropy

@@ -10,11 +10,14 @@ from asyncrl.core.buffer import ReplayBuffer
 from asyncrl.core.ledger import Ledger
 from asyncrl.core.stream import PromptStream
 from asyncrl.core.types import PromptTicket
+from asyncrl.models.critic import build_critic
 from asyncrl.models.policy import Policy, load_policy
 from asyncrl.rollout.collector import Collector, Scorer, encode_prompts
 from asyncrl.rollout.engine import TorchGenerationEngine
 from asyncrl.tasks.source import Task, load_task
 from asyncrl.train.grpo import GRPO
+from asyncrl.train.ppo import PPO
+from asyncrl.train.update import ReferencePolicy
 
 OnBatch = Callable[[float, float, int, list[PromptTicket]], None]
 
@@ -28,7 +31,7 @@ class Components:
     buffer: ReplayBuffer
     engine: TorchGenerationEngine
     collector: Collector
-    algo: GRPO
+    algo: GRPO | PPO
 
 
 def build_components(config: Config, on_batch: OnBatch | None = None) -> Components:
@@ -62,5 +65,20 @@ def build_components(config: Config, on_batch: OnBatch | None = None) -> Compone
         pin_versions=deterministic,
         max_failures=rollout.max_generation_failures,
     )
-    algo = GRPO(policy.model, config.algo, rollout.temperature, policy.pad_id)
+    # built before any checkpoint is loaded: both copy the policy's initial weights
+    reference = ReferencePolicy(policy.model) if config.algo.kl_coef > 0 else None
+    algo: GRPO | PPO
+    if config.algo.name == "ppo":
+        critic = build_critic(policy, config.model, config.run.seed)
+        algo = PPO(
+            policy.model,
+            critic,
+            config.algo,
+            rollout.temperature,
+            policy.pad_id,
+            config.run.seed,
+            reference,
+        )
+    else:
+        algo = GRPO(policy.model, config.algo, rollout.temperature, policy.pad_id, reference)
     return Components(policy, task, stream, ledger, buffer, engine, collector, algo)

@@ -58,7 +58,7 @@ from asyncrl.train.signals import Preempted, StopRequest
 
 SKIP_RESTORE = frozenset(filter(None, os.environ.get("ASYNCRL_TEST_SKIP_RESTORE", "").split(",")))
 """Test-only: pieces of state a resume deliberately does not restore (`optimizer`, `rng`,
-`cursor`, `buffer`), so the determinism tests can prove they would notice. Read once."""
+`cursor`, `buffer`, `critic`), so the determinism tests can prove they would notice. Read once."""
 
 
 class Trainer:
@@ -110,6 +110,12 @@ class Trainer:
             rng=capture_rng(),
             config=self.config.to_dict(),
         )
+        algo = self.parts.algo
+        if algo.critic is not None and algo.critic_optimizer is not None:
+            snapshot.critic = algo.critic.state_dict()
+            snapshot.critic_optimizer = algo.critic_optimizer.state_dict()
+        if algo.reference is not None:
+            snapshot.trainer["reference_sha256"] = algo.reference.sha256
         if self.config.run.deterministic:  # versions older than `step` still to generate with
             published = self.parts.engine.published_versions()
             snapshot.generation = {v: w for v, w in published.items() if v < self.step}
@@ -119,8 +125,19 @@ class Trainer:
         """Restores a snapshot and applies `checkpoint.resume_policy`; returns the plan."""
         skip = SKIP_RESTORE  # test-only negative controls; empty in real use
         self.parts.policy.model.load_state_dict(snapshot.model)
+        algo = self.parts.algo
         if "optimizer" not in skip:
-            self.parts.algo.optimizer.load_state_dict(snapshot.optimizer)
+            algo.optimizer.load_state_dict(snapshot.optimizer)
+        if algo.critic is not None and algo.critic_optimizer is not None and "critic" not in skip:
+            algo.critic.load_state_dict(snapshot.critic)
+            algo.critic_optimizer.load_state_dict(snapshot.critic_optimizer)
+        saved_reference = snapshot.trainer.get("reference_sha256")
+        if algo.reference is not None and saved_reference != algo.reference.sha256:
+            raise CheckpointError(
+                f"the reference policy rebuilt from the config (weights sha256 "
+                f"{algo.reference.sha256}) is not the one step {snapshot.trainer['step']} was "
+                f"trained against ({saved_reference}); did the files under model.path change?"
+            )
         if "rng" not in skip:
             restore_rng(snapshot.rng)
         self.step = int(snapshot.trainer["step"])
@@ -271,7 +288,7 @@ class Trainer:
         wait_start = time.perf_counter()
         groups = self.parts.buffer.sample(step, check=self._wait_check)
         train_start = time.perf_counter()
-        algo_metrics = self.parts.algo.step(groups)
+        algo_metrics = self.parts.algo.step(groups, step)
         fault_point("train.optimizer_step")
         trained = time.perf_counter()
         self.timeline.write(
