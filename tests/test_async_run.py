@@ -3,21 +3,25 @@ plain synchronous reference loop (the oracle for the async machinery)."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 from helpers import read_records, small_config
 
 from asyncrl.core.stream import PromptStream
+from asyncrl.models.critic import build_critic
 from asyncrl.models.policy import load_policy
 from asyncrl.rollout.collector import Scorer, encode_prompts, make_group, noise_seed
 from asyncrl.rollout.engine import GenerationRequest, TorchGenerationEngine
 from asyncrl.tasks.source import load_task
 from asyncrl.train.grpo import GRPO
+from asyncrl.train.ppo import PPO
 from asyncrl.train.trainer import train
+from asyncrl.train.update import ReferencePolicy
 
 
 def reference_sync_losses(config) -> list[tuple[float, float]]:
-    """Plain synchronous GRPO: take N prompts, generate, score, step, sync. No threads, no
-    buffer, no window."""
+    """Plain synchronous GRPO or PPO: take N prompts, generate, score, step, sync. No threads,
+    no buffer, no window."""
     torch.set_num_threads(config.run.torch_threads)
     r = config.rollout
     task = load_task(config.data)
@@ -26,7 +30,14 @@ def reference_sync_losses(config) -> list[tuple[float, float]]:
     engine = TorchGenerationEngine(
         policy.model, policy.eos_id, policy.pad_id, r.max_new_tokens, r.temperature
     )
-    algo = GRPO(policy.model, config.algo, r.temperature, policy.pad_id)
+    reference = ReferencePolicy(policy.model) if config.algo.kl_coef else None
+    algo: GRPO | PPO
+    if config.algo.name == "ppo":
+        critic = build_critic(policy, config.model, config.run.seed)
+        seed = config.run.seed
+        algo = PPO(policy.model, critic, config.algo, r.temperature, policy.pad_id, seed, reference)
+    else:
+        algo = GRPO(policy.model, config.algo, r.temperature, policy.pad_id, reference)
     stream = PromptStream(len(task.examples), r.num_prompts_per_step, config.run.seed)
     scorer = Scorer(task, policy.tokenizer)
     results = []
@@ -45,14 +56,21 @@ def reference_sync_losses(config) -> list[tuple[float, float]]:
             make_group(t, prompts[t.dataset_index], out, scorer(t, out), 0.0)
             for t, out in zip(tickets, outputs, strict=True)
         ]
-        metrics = algo.step(groups)
+        metrics = algo.step(groups, step)
         results.append((metrics["loss"], metrics["reward_mean"]))
         engine.update_weights(policy.model.state_dict(), step + 1)
     return results
 
 
-def test_a_synchronous_run_is_bit_identical_to_a_plain_reference_loop(tmp_path):
-    config = small_config("rollout.max_trajectory_age_steps=0", "run.max_num_steps=8")
+PPO_ALL_ON = [
+    "algo.name=ppo", "algo.ppo_epochs=2", "algo.num_minibatches=2", "algo.kl_coef=0.05",
+    "algo.entropy_coef=0.01", "algo.critic_warmup_steps=2",
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("algo", [["algo.name=grpo"], PPO_ALL_ON], ids=["grpo", "ppo"])
+def test_a_synchronous_run_is_bit_identical_to_a_plain_reference_loop(tmp_path, algo):
+    config = small_config("rollout.max_trajectory_age_steps=0", "run.max_num_steps=8", *algo)
     train(config, tmp_path / "run")
     records = read_records(tmp_path / "run" / "metrics.jsonl")
     got = [(r["loss"], r["reward_mean"]) for r in records]

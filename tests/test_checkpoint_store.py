@@ -115,14 +115,14 @@ def test_an_existing_checkpoint_is_never_overwritten_and_a_torn_one_is_set_aside
     assert (aside / "a.bin").read_bytes() == b"rotten"
 
 
-def snapshot_of_a_tiny_run() -> Snapshot:
+def snapshot_of_a_tiny_run(algo: str = "grpo") -> Snapshot:
     """A real cut: optimizer with state, groups of two targets buffered, tickets in flight,
-    and the copies the trainer makes."""
+    and the copies the trainer makes; for PPO also the critic and its optimizer, stepped."""
     from asyncrl.rollout.collector import Scorer, make_group, noise_seed
     from asyncrl.rollout.engine import GenerationRequest
     from asyncrl.train.components import build_components
 
-    config = small_config("rollout.max_trajectory_age_steps=1")
+    config = small_config("rollout.max_trajectory_age_steps=1", f"algo.name={algo}")
     parts = build_components(config)
     model = parts.policy.model
     model(input_ids=torch.tensor([[4, 5, 6]])).logits.mean().backward()
@@ -143,11 +143,32 @@ def snapshot_of_a_tiny_run() -> Snapshot:
         buffer=parts.buffer.state_dict(),
         rng=capture_rng(),
         config=config.to_dict(),
+        **critic_state(parts.algo),
     )
 
 
-def test_a_snapshot_round_trips_through_the_files_bit_for_bit(tmp_path):
-    snapshot = snapshot_of_a_tiny_run()
+def critic_state(algo) -> dict:
+    if algo.critic is None:
+        return {}
+    algo.critic(input_ids=torch.tensor([[4, 5, 6]])).logits.mean().backward()
+    algo.critic_optimizer.step()
+    return {
+        "critic": clone_state(algo.critic.state_dict()),
+        "critic_optimizer": copy.deepcopy(algo.critic_optimizer.state_dict()),
+    }
+
+
+def assert_same_optimizer(after: dict, before: dict) -> None:
+    assert after["param_groups"] == before["param_groups"]
+    assert before["state"] and set(after["state"]) == set(before["state"])
+    for index, entry in before["state"].items():
+        for key, value in entry.items():
+            assert torch.equal(after["state"][index][key], value), (index, key)
+
+
+@pytest.mark.parametrize("algo", ["grpo", "ppo"])
+def test_a_snapshot_round_trips_through_the_files_bit_for_bit(tmp_path, algo):
+    snapshot = snapshot_of_a_tiny_run(algo)
     store = CheckpointStore(tmp_path, run_id="r1")
     store.save(3, encode(snapshot), "h")
     written = store.latest()[0]
@@ -172,12 +193,15 @@ def test_a_snapshot_round_trips_through_the_files_bit_for_bit(tmp_path):
     assert back.rng["python"] == [
         list(x) if isinstance(x, tuple) else x for x in snapshot.rng["python"]
     ]
-    before, after = snapshot.optimizer, back.optimizer
-    assert after["param_groups"] == before["param_groups"]
-    assert before["state"] and set(after["state"]) == set(before["state"])
-    for index, entry in before["state"].items():
-        for key, value in entry.items():
-            assert torch.equal(after["state"][index][key], value), (index, key)
+    assert_same_optimizer(back.optimizer, snapshot.optimizer)
+    assert set(back.critic) == set(snapshot.critic)
+    for name, tensor in snapshot.critic.items():
+        assert torch.equal(back.critic[name], tensor), name
+    if algo == "ppo":
+        assert "score.weight" in back.critic
+        assert_same_optimizer(back.critic_optimizer, snapshot.critic_optimizer)
+    else:
+        assert back.critic == {} and back.critic_optimizer == {}
 
 
 def test_a_planted_pickle_payload_never_runs(tmp_path):

@@ -90,20 +90,26 @@ def audit(run_dir: Path) -> subprocess.CompletedProcess[str]:
     )
 
 
-def test_random_sigkills_and_a_kill_mid_checkpoint_lose_nothing(tmp_path, repo_root):
+PPO = (
+    "algo.name=ppo", "algo.num_minibatches=2", "algo.kl_coef=0.05", "algo.critic_warmup_steps=3",
+)  # fmt: skip
+
+
+@pytest.mark.parametrize("algo", [(), PPO], ids=["grpo", "ppo"])
+def test_random_sigkills_and_a_kill_mid_checkpoint_lose_nothing(tmp_path, repo_root, algo):
     run = tmp_path / "run"
     rng = random.Random(1234)
     # 1: killed by SIGKILL while writing the second checkpoint's first file
-    proc = launch(run, repo_root, fault="checkpoint.file_written:4")
+    proc = launch(run, repo_root, *algo, fault="checkpoint.file_written:4")
     out, _ = proc.communicate(timeout=120)
     assert proc.returncode == -signal.SIGKILL, out
     assert list((run / "checkpoints").glob(".tmp-step_000006-*")), "died mid-write"
     # 2-4: killed at random moments
     kills = 1
     for _ in range(3):
-        kills += kill_after_steps(launch(run, repo_root), run, rng.randint(2, 9))
+        kills += kill_after_steps(launch(run, repo_root, *algo), run, rng.randint(2, 9))
     assert kills == 4
-    finish(run, repo_root)
+    finish(run, repo_root, *algo)
 
     metrics = read_records(run / "metrics.jsonl")
     final = {r["step"]: r for r in metrics}

@@ -32,7 +32,17 @@ DETERMINISTIC = [
 ]
 
 
-def launch(run_dir: Path, repo_root: Path, fault: str = "", skip: str = "") -> subprocess.Popen:
+PPO = [
+    "algo.name=ppo", "algo.ppo_epochs=2", "algo.num_minibatches=2", "algo.kl_coef=0.05",
+    "algo.critic_warmup_steps=2",
+]  # fmt: skip
+"""PPO with every piece that has state or draws randomness: critic, minibatch shuffles,
+reference policy, warm-up."""
+
+
+def launch(
+    run_dir: Path, repo_root: Path, fault: str = "", skip: str = "", extra: tuple[str, ...] = ()
+) -> subprocess.Popen:
     env = {
         **os.environ,
         "PYTHONWARNINGS": "ignore",
@@ -41,7 +51,7 @@ def launch(run_dir: Path, repo_root: Path, fault: str = "", skip: str = "") -> s
     }
     command = [sys.executable, "-m", "asyncrl.cli", "train", str(repo_root / "configs/demo.yaml")]
     return subprocess.Popen(
-        [*command, "--run-dir", str(run_dir), *DETERMINISTIC],
+        [*command, "--run-dir", str(run_dir), *DETERMINISTIC, *extra],
         env=env,
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
@@ -49,14 +59,14 @@ def launch(run_dir: Path, repo_root: Path, fault: str = "", skip: str = "") -> s
     )
 
 
-def run_to_kill(run_dir: Path, repo_root: Path, fault: str) -> None:
-    proc = launch(run_dir, repo_root, fault=fault)
+def run_to_kill(run_dir: Path, repo_root: Path, fault: str, extra: tuple[str, ...] = ()) -> None:
+    proc = launch(run_dir, repo_root, fault=fault, extra=extra)
     out, _ = proc.communicate(timeout=120)
     assert proc.returncode == -signal.SIGKILL, f"{fault} never fired: {out}"
 
 
-def finish(run_dir: Path, repo_root: Path, skip: str = "") -> int:
-    proc = launch(run_dir, repo_root, skip=skip)
+def finish(run_dir: Path, repo_root: Path, skip: str = "", extra: tuple[str, ...] = ()) -> int:
+    proc = launch(run_dir, repo_root, skip=skip, extra=extra)
     try:
         proc.communicate(timeout=90)
     except subprocess.TimeoutExpired:
@@ -87,14 +97,23 @@ def fingerprint(run_dir: Path) -> tuple[list[tuple], str]:
     return steps, digest.hexdigest()
 
 
-@pytest.fixture(scope="module")
-def reference(tmp_path_factory, request) -> tuple[list[tuple], str]:
+def uninterrupted(tmp_path_factory, request, extra: tuple[str, ...] = ()) -> tuple[list, str]:
     repo_root = Path(request.config.rootpath)
     run_dir = tmp_path_factory.mktemp("reference") / "run"
-    assert finish(run_dir, repo_root) == 0
+    assert finish(run_dir, repo_root, extra=extra) == 0
     steps, weights = fingerprint(run_dir)
     assert len(steps) == STEPS
     return steps, weights
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory, request) -> tuple[list[tuple], str]:
+    return uninterrupted(tmp_path_factory, request)
+
+
+@pytest.fixture(scope="module")
+def ppo_reference(tmp_path_factory, request) -> tuple[list[tuple], str]:
+    return uninterrupted(tmp_path_factory, request, tuple(PPO))
 
 
 def test_one_random_kill_and_resume_is_bitwise_the_uninterrupted_run(
@@ -148,3 +167,21 @@ def test_the_global_rngs_are_not_part_of_what_a_resume_must_restore(tmp_path, re
     run_to_kill(run, repo_root, "checkpoint.parent_fsynced:2")
     assert finish(run, repo_root, skip="rng") == 0
     assert fingerprint(run) == reference
+
+
+def test_ppo_killed_mid_checkpoint_and_mid_epoch_is_bitwise_the_uninterrupted_run(
+    tmp_path, repo_root, ppo_reference
+):
+    run, extra = tmp_path / "run", tuple(PPO)
+    run_to_kill(run, repo_root, "checkpoint.file_written:4", extra)  # writing step 6's
+    run_to_kill(run, repo_root, f"train.weights_published:{10 - resume_step(run) + 1}", extra)
+    assert finish(run, repo_root, extra=extra) == 0
+    assert {r["attempt"] for r in read_records(run / "metrics.jsonl")} == {0, 1, 2}
+    assert fingerprint(run) == ppo_reference
+
+
+def test_a_ppo_resume_that_skips_restoring_the_critic_is_caught(tmp_path, repo_root, ppo_reference):
+    run, extra = tmp_path / "run", tuple(PPO)
+    run_to_kill(run, repo_root, "checkpoint.parent_fsynced:2", extra)  # durable step 6
+    code = finish(run, repo_root, skip="critic", extra=extra)
+    assert code == 0 and fingerprint(run) != ppo_reference

@@ -92,7 +92,8 @@ def test_a_failing_reward_function_stops_the_run_naming_the_ordinal(tmp_path, re
     assert len(read_records(tmp_path / "ok" / "metrics.jsonl")) == 6
 
 
-def test_a_nan_loss_stops_the_run_and_is_never_checkpointed(tmp_path, monkeypatch):
+@pytest.mark.parametrize("algo", ["grpo", "ppo"])
+def test_a_nan_loss_stops_the_run_and_is_never_checkpointed(tmp_path, monkeypatch, algo):
     real = grpo.ClippedPolicyLoss.__call__
     calls = {"n": 0}
 
@@ -104,7 +105,10 @@ def test_a_nan_loss_stops_the_run_and_is_never_checkpointed(tmp_path, monkeypatc
     monkeypatch.setattr(grpo.ClippedPolicyLoss, "__call__", poisoned)
     run = tmp_path / "run"
     with pytest.raises(NonFiniteLoss, match="loss is nan; the step was not applied"):
-        train(small_config("run.max_num_steps=8", "checkpoint.save_period=2"), run)
+        train(
+            small_config("run.max_num_steps=8", "checkpoint.save_period=2", f"algo.name={algo}"),
+            run,
+        )
     steps = sorted(int(p.name[5:]) for p in (run / "checkpoints").glob("step_*"))
     assert steps == [2]  # nothing saved at or after the poisoned step 3
     assert len(read_records(run / "metrics.jsonl")) == 3

@@ -14,7 +14,7 @@ import copy
 
 import torch
 import transformers
-from transformers import AutoModelForTokenClassification, PreTrainedModel
+from transformers import AutoConfig, AutoModelForTokenClassification, PreTrainedModel
 
 from asyncrl.config import ConfigError, ModelConfig
 from asyncrl.models.policy import Policy, join_completions
@@ -28,8 +28,12 @@ def build_critic(policy: Policy, config: ModelConfig, seed: int) -> PreTrainedMo
         verbosity = transformers.utils.logging.get_verbosity()
         transformers.utils.logging.set_verbosity_error()  # "newly initialized: score.*"
         try:
+            critic_config = AutoConfig.from_pretrained(
+                config.path, num_labels=1, local_files_only=True
+            )
+            critic_config.classifier_dropout = 0.0  # values must not be random
             critic = AutoModelForTokenClassification.from_pretrained(
-                config.path, num_labels=1, classifier_dropout=0.0, local_files_only=True
+                config.path, config=critic_config, local_files_only=True
             )
         except (OSError, ValueError) as err:
             raise ConfigError(
