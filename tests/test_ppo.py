@@ -89,12 +89,16 @@ def test_each_step_makes_epochs_times_minibatches_updates_and_reports_every_metr
     assert metrics["kl_ref"] > 0  # the policy moved away from the reference during the step
 
 
-def test_a_resume_refuses_a_reference_policy_that_is_not_the_one_trained_against(tmp_path):
+def test_a_critic_from_model_path_and_a_resume_that_checks_the_rebuilt_reference(tmp_path):
     source = build_components(small_config()).policy
     source.model.save_pretrained(tmp_path / "model")
     source.tokenizer.save_pretrained(tmp_path / "model")
     run = tmp_path / "run"
     config = small_config("algo.name=ppo", "algo.kl_coef=0.1", f"model.path={tmp_path / 'model'}")
+    critic = build_components(config).algo.critic  # loaded from the directory, head zeroed
+    body = source.model.base_model.state_dict()
+    assert all(torch.equal(t, body[k]) for k, t in critic.base_model.state_dict().items())
+    assert (critic.score.weight == 0).all()
     config.run.max_num_steps = 2
     train(config, run)
     config.run.max_num_steps = 3
