@@ -5,7 +5,7 @@ BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 RUN_DIR ?= runs/demo-$(shell date +%Y%m%d-%H%M%S)
 
-.PHONY: setup demo test lint bench chaos docs clean
+.PHONY: setup demo ppo-demo test lint bench chaos docs clean
 
 setup: $(STAMP)
 
@@ -24,6 +24,9 @@ lint: setup
 	$(BIN)/ruff check asyncrl tests benchmarks scripts
 	$(BIN)/ruff format --check asyncrl tests benchmarks scripts
 	$(BIN)/mypy
+
+ppo-demo: setup
+	$(BIN)/asyncrl train configs/ppo_demo.yaml --run-dir $(subst demo-,ppo-demo-,$(RUN_DIR))
 
 test: lint
 	$(BIN)/pytest -q

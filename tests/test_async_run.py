@@ -68,7 +68,9 @@ PPO_ALL_ON = [
 ]  # fmt: skip
 
 
-@pytest.mark.parametrize("algo", [["algo.name=grpo"], PPO_ALL_ON], ids=["grpo", "ppo"])
+@pytest.mark.parametrize(
+    "algo", [["algo.name=grpo"], ["algo.name=ppo"], PPO_ALL_ON], ids=["grpo", "ppo", "ppo-all-on"]
+)
 def test_a_synchronous_run_is_bit_identical_to_a_plain_reference_loop(tmp_path, algo):
     config = small_config("rollout.max_trajectory_age_steps=0", "run.max_num_steps=8", *algo)
     train(config, tmp_path / "run")

@@ -109,3 +109,15 @@ def test_a_critic_from_model_path_and_a_resume_that_checks_the_rebuilt_reference
     config.run.max_num_steps = 4
     with pytest.raises(CheckpointError, match="reference policy rebuilt from the config"):
         train(config, run)
+
+
+def test_one_update_per_step_reuses_its_forward_passes_with_the_same_numbers():
+    def one_step(reuse: bool):
+        parts = build_components(small_config("algo.name=ppo", "algo.kl_coef=0.1"))
+        parts.algo.reuse_forward = reuse
+        metrics = parts.algo.step(groups_of(parts), 0)
+        return metrics, weights(parts.policy.model), weights(parts.algo.critic)
+
+    (m1, p1, c1), (m2, p2, c2) = one_step(True), one_step(False)
+    assert m1 == m2
+    assert all(torch.equal(p1[k], p2[k]) for k in p1) and all(torch.equal(c1[k], c2[k]) for k in c1)

@@ -63,6 +63,10 @@ def select(batch: dict[str, Any], rows: torch.Tensor) -> dict[str, Any]:
 
 
 class PPO:
+    reuse_forward = True
+    """With one epoch of one minibatch, take pi_old and V_old from the forward passes the
+    losses differentiate instead of two extra no-grad passes (the same numbers; a test checks)."""
+
     def __init__(
         self,
         model: PreTrainedModel,
@@ -119,9 +123,19 @@ class PPO:
         rewards, mask = batch["rewards"], batch["completion_mask"]
         self.model.train()
         self.critic.train()
+        train_policy = step >= cfg.critic_warmup_steps
+        reuse: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+        if self.reuse_forward and cfg.ppo_epochs == 1 and cfg.num_minibatches == 1:
+            values = self._values(batch)
+            with torch.set_grad_enabled(train_policy):
+                logprobs, entropy = self._logprobs(batch)
+            reuse = values, logprobs, entropy
+            old_values, old_logprobs = values.detach(), logprobs.detach()
+        else:
+            with torch.no_grad():
+                old_logprobs, _ = self._logprobs(batch)
+                old_values = self._values(batch)
         with torch.no_grad():
-            old_logprobs, _ = self._logprobs(batch)
-            old_values = self._values(batch)
             ref = (
                 self.reference.logprobs(batch, self.temperature, self.pad_id)
                 if self.reference
@@ -142,13 +156,12 @@ class PPO:
         is_weights, is_stats = truncated_is_weights(
             old_logprobs, batch["behaviour_logprobs"], mask, cfg.tis_cap
         )
-        train_policy = step >= cfg.critic_warmup_steps
         totals: dict[str, list[float]] = defaultdict(list)
         for epoch in range(cfg.ppo_epochs):
             for rows in minibatches(len(mask), cfg.num_minibatches, self.seed, step, epoch):
                 part = select(batch, rows)
                 part_mask = part["completion_mask"]
-                values = self._values(part)
+                values = reuse[0] if reuse else self._values(part)
                 value_loss, value_stats = self.value_loss(
                     values, old_values[rows], returns[rows], part_mask
                 )
@@ -162,7 +175,7 @@ class PPO:
                     )
                 )
                 with torch.set_grad_enabled(train_policy):
-                    logprobs, entropy = self._logprobs(part)
+                    logprobs, entropy = reuse[1:] if reuse else self._logprobs(part)
                     loss, policy_stats = self.policy_loss(
                         logprobs, old_logprobs[rows], advantages[rows], part_mask, is_weights[rows]
                     )
