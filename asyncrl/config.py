@@ -123,8 +123,11 @@ class RolloutConfig:
     groups_per_batch: int = 0
     """Prompt groups the engine generates together in one batch; 0 means N (one step's worth).
     Smaller batches make groups land in the buffer a few at a time."""
-    backend: Literal["threads"] = "threads"
-    """Where generation runs: `threads` is a background thread in this process."""
+    backend: Literal["threads", "ray"] = "threads"
+    """Where generation runs: `threads` is a background thread in this process; `ray` runs
+    `num_workers` generation actors on a Ray cluster (local by default, see `ray.address`)."""
+    num_workers: int = 1
+    """For `backend=ray`: generation worker actors; each batch is split across them."""
 
     def validate(self) -> None:
         for key in ("num_prompts_per_step", "num_generations_per_prompt", "max_new_tokens"):
@@ -139,6 +142,7 @@ class RolloutConfig:
         _require(
             self.groups_per_batch >= 0, "rollout.groups_per_batch", self.groups_per_batch, ">= 0"
         )
+        _require(self.num_workers >= 1, "rollout.num_workers", self.num_workers, ">= 1")
         _require(
             self.max_trajectory_age_steps >= 0,
             "rollout.max_trajectory_age_steps",
@@ -251,6 +255,24 @@ class LoggingConfig:
 
 
 @dataclass
+class RayConfig:
+    address: str = ""
+    """For `rollout.backend=ray`: the cluster to join (`auto`, `HOST:6379`, or `ray://HOST:10001`).
+    Empty starts a local Ray sized to this machine, bound to 127.0.0.1, without a dashboard."""
+    num_cpus_per_worker: float = 1.0
+    """CPUs each generation worker actor reserves (its torch threads follow
+    `run.torch_threads`)."""
+
+    def validate(self) -> None:
+        _require(
+            self.num_cpus_per_worker >= 0,
+            "ray.num_cpus_per_worker",
+            self.num_cpus_per_worker,
+            ">= 0",
+        )
+
+
+@dataclass
 class Config:
     run: RunConfig = field(default_factory=RunConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
@@ -259,6 +281,7 @@ class Config:
     algo: AlgoConfig = field(default_factory=AlgoConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
+    ray: RayConfig = field(default_factory=RayConfig)
 
     def validate(self) -> None:
         for section in dataclasses.fields(self):
@@ -302,7 +325,8 @@ SECTIONS: dict[str, type] = dict(typing.get_type_hints(Config))
 
 BENIGN_KEYS = frozenset(
     {"run.max_num_steps", "run.torch_threads", "rollout.backend", "rollout.groups_per_batch"}
-    | {"rollout.max_generation_failures"}
+    | {"rollout.max_generation_failures", "rollout.num_workers"}
+    | {f"ray.{f.name}" for f in dataclasses.fields(RayConfig)}
     | {f"checkpoint.{f.name}" for f in dataclasses.fields(CheckpointConfig)}
     | {f"logging.{f.name}" for f in dataclasses.fields(LoggingConfig)}
 )
@@ -315,7 +339,9 @@ def flatten(config: Config | dict[str, dict[str, Any]]) -> dict[str, Any]:
     return {f"{s}.{k}": v for s, values in nested.items() for k, v in values.items()}
 
 
-DETERMINISM_KEYS = frozenset({"run.torch_threads", "rollout.groups_per_batch"})
+DETERMINISM_KEYS = frozenset(
+    {"run.torch_threads", "rollout.groups_per_batch", "rollout.backend", "rollout.num_workers"}
+)
 """Benign keys that still change the bits: batch shapes and intra-op thread counts change
 floating-point reduction order, so a deterministic run may not change them."""
 

@@ -21,14 +21,20 @@ POINTS = (
     "train.weights_published",  # new version handed to the engine
     "collector.group_buffered",  # one group moved from in flight to the buffer
 )
+WORKER_POINTS = (
+    "worker.generate",  # a Ray generation worker actor received a batch (kills the actor)
+)
+"""Points in Ray worker processes. The pass count is per process, so a replaced worker
+counts again from zero."""
 
 
 def _parse(spec: str) -> tuple[str, int] | None:
     if not spec:
         return None
     point, _, count = spec.partition(":")
-    if point not in POINTS:
-        raise ValueError(f"ASYNCRL_FAULT: unknown point {point!r}; known: {', '.join(POINTS)}")
+    if point not in POINTS + WORKER_POINTS:
+        known = ", ".join(POINTS + WORKER_POINTS)
+        raise ValueError(f"ASYNCRL_FAULT: unknown point {point!r}; known: {known}")
     return point, int(count or 1)
 
 

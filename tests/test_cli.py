@@ -29,12 +29,14 @@ FROZEN_CONFIG_KEYS = [
     "rollout.num_prompts_per_step", "rollout.num_generations_per_prompt",
     "rollout.max_new_tokens", "rollout.temperature", "rollout.max_trajectory_age_steps",
     "rollout.max_generation_failures", "rollout.groups_per_batch", "rollout.backend",
+    "rollout.num_workers",
     "algo.name", "algo.lr", "algo.weight_decay", "algo.max_grad_norm", "algo.clip_eps",
     "algo.kl_coef", "algo.kl_estimator", "algo.kl_in_reward", "algo.entropy_coef", "algo.gamma",
     "algo.lam", "algo.normalize_advantages", "algo.ppo_epochs", "algo.num_minibatches",
     "algo.critic_lr", "algo.value_clip_eps", "algo.critic_warmup_steps", "algo.tis_cap",
     "checkpoint.save_period", "checkpoint.keep_last", "checkpoint.resume_policy",
     "logging.progress", "logging.tensorboard", "logging.plot",
+    "ray.address", "ray.num_cpus_per_worker",
 ]  # fmt: skip
 
 CONTRACT_METRICS = {

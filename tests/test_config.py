@@ -65,7 +65,8 @@ def test_an_int_field_accepts_an_int_given_for_a_float():
         (["data.task=jsonl"], "data.path: required when data.task=jsonl"),
         (["data.reward_fn=nomodule"], "must look like 'module:function'"),
         (["model.hidden_size=100", "model.num_heads=3"], "a multiple of model.num_heads=3"),
-        (["rollout.backend=mpi"], "allowed values: 'threads'"),
+        (["rollout.backend=mpi"], "allowed values: 'threads', 'ray'"),
+        (["rollout.num_workers=0"], "rollout.num_workers: got 0, must be >= 1"),
         (["seed=3"], "must look like section.key=value"),
         (["rollout.groups_per_batch=3"], "0 or a divisor of rollout.num_prompts_per_step=16"),
         (

@@ -14,11 +14,30 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
 from asyncrl.core.types import Group, PromptTicket
+
+
+class Buffer(Protocol):
+    """What the collector and trainer use of a replay buffer: `ReplayBuffer` itself, or a
+    client of one running elsewhere (the Ray backend's `BufferClient`)."""
+
+    capacity: int
+    num_prompts_per_step: int
+
+    def __len__(self) -> int: ...
+    def add(self, group: Group) -> None: ...
+    def sample(
+        self, target_step: int, check: Callable[[], None] | None = None, poll_s: float = 0.05
+    ) -> list[Group]: ...
+    def counts_by_target(self) -> dict[int, int]: ...
+    def ordinals_and_targets(self) -> list[tuple[int, int]]: ...
+    def discard(self, ordinals: list[int]) -> None: ...
+    def state_dict(self) -> dict[str, Any]: ...
+    def load_state_dict(self, state: dict[str, Any]) -> None: ...
 
 
 class BufferOverflow(RuntimeError):
@@ -57,6 +76,19 @@ class ReplayBuffer:
     def _count(self, target_step: int) -> int:
         return sum(1 for g in self._groups.values() if g.target_step == target_step)
 
+    def try_sample(self, target_step: int, wait_s: float = 0.0) -> list[Group] | None:
+        """Removes and returns the N groups of `target_step`, ordered by ordinal, if they are
+        all buffered within `wait_s` seconds; else None and nothing changes."""
+        with self._cond:
+            if self._count(target_step) < self.num_prompts_per_step and wait_s > 0:
+                self._cond.wait(timeout=wait_s)
+            if self._count(target_step) < self.num_prompts_per_step:
+                return None
+            ordinals = sorted(k for k, g in self._groups.items() if g.target_step == target_step)
+            groups = [self._groups.pop(k) for k in ordinals]
+            self._cond.notify_all()
+            return groups
+
     def sample(
         self,
         target_step: int,
@@ -66,18 +98,14 @@ class ReplayBuffer:
         """Removes and returns the N groups of `target_step`, ordered by ordinal. Blocks until
         they are all buffered; `check` is called while waiting and may raise to abort (for
         example when the generation worker died or a preemption signal arrived)."""
-        while True:
-            with self._cond:
-                if self._count(target_step) >= self.num_prompts_per_step:
-                    ordinals = sorted(
-                        k for k, g in self._groups.items() if g.target_step == target_step
-                    )
-                    groups = [self._groups.pop(k) for k in ordinals]
-                    self._cond.notify_all()
-                    return groups
-                self._cond.wait(timeout=poll_s)
+        while (groups := self.try_sample(target_step, poll_s)) is None:
             if check is not None:
                 check()  # outside the lock: `check` may take the collector's lock
+        return groups
+
+    def size(self) -> int:
+        """Groups buffered now (`len`, as a method a remote shell can call)."""
+        return len(self)
 
     def ordinals_and_targets(self) -> list[tuple[int, int]]:
         with self._cond:

@@ -23,7 +23,7 @@ import torch
 from transformers import PreTrainedTokenizerBase
 
 from asyncrl.config import ConfigError
-from asyncrl.core.buffer import ReplayBuffer
+from asyncrl.core.buffer import Buffer
 from asyncrl.core.ledger import Ledger
 from asyncrl.core.types import Group, PromptTicket
 from asyncrl.faults import fault_point
@@ -125,7 +125,7 @@ class Collector:
     def __init__(
         self,
         ledger: Ledger,
-        buffer: ReplayBuffer,
+        buffer: Buffer,
         engine: GenerationEngine,
         prompts: Sequence[list[int]],
         scorer: Callable[[PromptTicket, GenerationOutput], torch.Tensor],

@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from asyncrl.config import Config
-from asyncrl.core.buffer import ReplayBuffer
+from asyncrl.core.buffer import Buffer, ReplayBuffer
 from asyncrl.core.ledger import Ledger
 from asyncrl.core.stream import PromptStream
 from asyncrl.core.types import PromptTicket
@@ -19,6 +20,9 @@ from asyncrl.train.grpo import GRPO
 from asyncrl.train.ppo import PPO
 from asyncrl.train.update import ReferencePolicy
 
+if TYPE_CHECKING:
+    from asyncrl.distributed.ray_backend import RayEngine
+
 OnBatch = Callable[[float, float, int, list[PromptTicket]], None]
 
 
@@ -28,10 +32,20 @@ class Components:
     task: Task
     stream: PromptStream
     ledger: Ledger
-    buffer: ReplayBuffer
-    engine: TorchGenerationEngine
+    buffer: Buffer
+    engine: TorchGenerationEngine | RayEngine
     collector: Collector
     algo: GRPO | PPO
+    shutdown_steps: list[Callable[[], None]] = field(default_factory=list)
+
+    def shutdown(self) -> None:
+        """Releases what the backend started (Ray actors, a local Ray); threads need nothing."""
+        for step in self.shutdown_steps:
+            try:
+                step()
+            except Exception as err:  # the run's outcome is decided; report and go on
+                print(f"asyncrl: shutdown: {err!r}")
+        self.shutdown_steps.clear()
 
 
 def build_components(config: Config, on_batch: OnBatch | None = None) -> Components:
@@ -41,16 +55,33 @@ def build_components(config: Config, on_batch: OnBatch | None = None) -> Compone
     prompts = encode_prompts(task, policy.tokenizer, rollout.max_new_tokens, policy.max_seq_len)
     stream = PromptStream(len(task.examples), rollout.num_prompts_per_step, config.run.seed)
     ledger = Ledger(stream)
-    buffer = ReplayBuffer(rollout.num_prompts_per_step, rollout.max_trajectory_age_steps)
     deterministic = config.run.deterministic
-    engine = TorchGenerationEngine(
-        policy.model,
-        policy.eos_id,
-        policy.pad_id,
-        rollout.max_new_tokens,
-        rollout.temperature,
-        max_versions=rollout.max_trajectory_age_steps + 1 if deterministic else 1,
-    )
+    max_versions = rollout.max_trajectory_age_steps + 1 if deterministic else 1
+    buffer: Buffer
+    engine: TorchGenerationEngine | RayEngine
+    shutdown: list[Callable[[], None]] = []
+    if rollout.backend == "ray":
+        from asyncrl.distributed import ray_backend  # ray is an optional extra
+
+        if ray_backend.start_ray(config):
+            shutdown.append(ray_backend.ray.shutdown)
+        engine = ray_backend.build_ray_engine(
+            config, policy.model, policy.eos_id, policy.pad_id, max_versions
+        )
+        buffer = ray_backend.BufferClient(
+            rollout.num_prompts_per_step, rollout.max_trajectory_age_steps
+        )
+        shutdown[:0] = [engine.shutdown, buffer.shutdown]
+    else:
+        buffer = ReplayBuffer(rollout.num_prompts_per_step, rollout.max_trajectory_age_steps)
+        engine = TorchGenerationEngine(
+            policy.model,
+            policy.eos_id,
+            policy.pad_id,
+            rollout.max_new_tokens,
+            rollout.temperature,
+            max_versions=max_versions,
+        )
     collector = Collector(
         ledger=ledger,
         buffer=buffer,
@@ -81,4 +112,4 @@ def build_components(config: Config, on_batch: OnBatch | None = None) -> Compone
         )
     else:
         algo = GRPO(policy.model, config.algo, rollout.temperature, policy.pad_id, reference)
-    return Components(policy, task, stream, ledger, buffer, engine, collector, algo)
+    return Components(policy, task, stream, ledger, buffer, engine, collector, algo, shutdown)

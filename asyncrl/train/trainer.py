@@ -365,7 +365,20 @@ class Trainer:
             "tokens_sha256": tokens_digest(groups),
             "buffer_groups": len(self.parts.buffer),
             "generation_failures": self.parts.collector.num_failures,
+            **self._engine_record(),
             **algo,
+        }
+
+    def _engine_record(self) -> dict[str, Any]:
+        """Ray backend: cumulative seconds workers spent fetching and loading weights, and
+        workers replaced after dying."""
+        engine = self.parts.engine
+        load_s = getattr(engine, "load_s", None)
+        if load_s is None:
+            return {}
+        return {
+            "weights_load_s": load_s,
+            "workers_replaced": getattr(engine, "workers_replaced", 0),
         }
 
     def _postfix(self, record: dict[str, Any]) -> str:
@@ -434,6 +447,8 @@ def train(
                 trainer.writer.wait()  # a write in progress is still a good checkpoint
             trainer.close()
             raise
+        finally:
+            trainer.parts.shutdown()  # Ray actors and a local Ray, if this run started them
     finally:
         if run.lock is not None:
             run.lock.close()  # releases the run dir lock
