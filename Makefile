@@ -5,7 +5,7 @@ BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 RUN_DIR ?= runs/demo-$(shell date +%Y%m%d-%H%M%S)
 
-.PHONY: setup demo ppo-demo test lint bench chaos docs clean
+.PHONY: setup demo ppo-demo test lint bench bench-algos bench-ray chaos docs clean
 
 setup: $(STAMP)
 
@@ -34,6 +34,12 @@ test: lint
 bench: setup
 	$(BIN)/python benchmarks/overlap.py
 	$(BIN)/python benchmarks/resume_cost.py
+
+bench-algos: setup
+	$(BIN)/python benchmarks/ppo_vs_grpo.py --steps 600
+
+bench-ray: setup
+	$(BIN)/python benchmarks/ray_scaleout.py
 
 chaos: setup
 	$(BIN)/python benchmarks/chaos.py --trials 200

@@ -341,6 +341,7 @@ def flatten(config: Config | dict[str, dict[str, Any]]) -> dict[str, Any]:
 
 DETERMINISM_KEYS = frozenset(
     {"run.torch_threads", "rollout.groups_per_batch", "rollout.backend", "rollout.num_workers"}
+    | {"ray.num_cpus_per_worker"}  # with run.torch_threads=0 it sets the workers' threads
 )
 """Benign keys that still change the bits: batch shapes and intra-op thread counts change
 floating-point reduction order, so a deterministic run may not change them."""

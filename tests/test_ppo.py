@@ -121,3 +121,31 @@ def test_one_update_per_step_reuses_its_forward_passes_with_the_same_numbers():
     (m1, p1, c1), (m2, p2, c2) = one_step(True), one_step(False)
     assert m1 == m2
     assert all(torch.equal(p1[k], p2[k]) for k in p1) and all(torch.equal(c1[k], c2[k]) for k in c1)
+
+
+def test_a_checkpoint_holds_the_critic_as_it_was_at_the_cut(tmp_path, monkeypatch):
+    """The writer encodes in the background while the next step updates the critic in place:
+    the snapshot must own a copy."""
+    from asyncrl.checkpoint.writer import CheckpointWriter
+
+    captured = []
+    submit = CheckpointWriter.submit
+
+    def capture(self, step, snapshot, info):
+        frozen = {k: v.clone() for k, v in snapshot.critic.items()}
+        captured.append((snapshot, frozen))
+        submit(self, step, snapshot, info)
+
+    monkeypatch.setattr(CheckpointWriter, "submit", capture)
+    config = small_config("algo.name=ppo", "run.max_num_steps=4", "checkpoint.save_period=2")
+    train(config, tmp_path / "run")
+    snapshot, frozen = captured[0]  # the cut at step 2; steps 2 and 3 trained after it
+    assert all(torch.equal(snapshot.critic[k], v) for k, v in frozen.items())
+    assert snapshot.critic_optimizer["state"]
+
+
+def test_a_grpo_checkpoint_forced_onto_ppo_is_refused_with_the_reason(tmp_path):
+    run = tmp_path / "run"
+    train(small_config("run.max_num_steps=2"), run)
+    with pytest.raises(CheckpointError, match="has no critic"):
+        train(small_config("run.max_num_steps=3", "algo.name=ppo"), run, force_config=True)

@@ -17,6 +17,7 @@ ordinals exactly as it does for a failing engine on threads.
 
 from __future__ import annotations
 
+import copy
 import logging
 import os
 import threading
@@ -91,6 +92,8 @@ class GenerationWorker:
         self.engine = TorchGenerationEngine(
             model, eos_id, pad_id, max_new_tokens, temperature, max_versions=max_versions
         )
+        self.fetched: set[int] = set()  # versions sent to this worker; the model's own
+        # weights (whatever `model` held) are never used under any version number
 
     def generate(
         self, requests: list[GenerationRequest], version: int, weights: list[Any]
@@ -100,8 +103,9 @@ class GenerationWorker:
         Returns the outputs and the seconds spent fetching and loading weights."""
         fault_point("worker.generate")
         start = time.perf_counter()
-        if version not in self.engine.published_versions():
+        if version not in self.fetched:
             self.engine.update_weights(from_numpy(ray.get(weights[0])), version)
+            self.fetched = set(self.engine.published_versions()) & (self.fetched | {version})
         load_s = time.perf_counter() - start
         return self.engine.generate(requests, version), load_s
 
@@ -141,6 +145,7 @@ class RayEngine:
         self.put_s = 0.0  # driver seconds spent putting weights into the object store
         self.load_s = 0.0  # worker seconds spent fetching and loading weights
         self.workers_replaced = 0
+        self._closed = False
         self.update_weights(initial, 0)
 
     @property
@@ -168,6 +173,8 @@ class RayEngine:
         self, requests: list[GenerationRequest], version: int | None = None
     ) -> list[GenerationOutput]:
         with self._lock:
+            if self._closed:
+                raise RuntimeError("the Ray engine is shut down")
             wanted = max(self._refs) if version is None else version
             if wanted not in self._refs:
                 raise RuntimeError(
@@ -191,8 +198,11 @@ class RayEngine:
             outputs.extend(part)
             self.load_s += load_s
         if dead:
-            for i, _ in dead:
-                self._replace(i)
+            with self._lock:
+                if self._closed:  # the run is ending and killed its workers: replace nothing
+                    raise RuntimeError("the Ray engine is shut down")
+                for i, _ in dead:
+                    self._replace(i)
             index, cause = dead[0]
             raise WorkerDied(
                 f"generation worker {index} died during a batch (replaced; the batch is "
@@ -207,6 +217,8 @@ class RayEngine:
         self.workers_replaced += 1
 
     def shutdown(self) -> None:
+        with self._lock:
+            self._closed = True
         for worker in self.workers:
             ray.kill(worker, no_restart=True)
 
@@ -221,6 +233,9 @@ def build_ray_engine(
     config: Config, model: PreTrainedModel, eos_id: int, pad_id: int, max_versions: int
 ) -> RayEngine:
     rollout = config.rollout
+    # the architecture every worker (and every replacement) starts from, put once; its weights
+    # are never generated with: each version is fetched by reference
+    architecture = ray.put(copy.deepcopy(model))
 
     def make_worker(index: int, incarnation: int) -> Any:
         return RemoteWorker.options(
@@ -228,7 +243,7 @@ def build_ray_engine(
             num_cpus=config.ray.num_cpus_per_worker,
             max_restarts=0,
         ).remote(
-            model,
+            architecture,
             eos_id,
             pad_id,
             rollout.max_new_tokens,

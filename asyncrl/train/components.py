@@ -40,12 +40,16 @@ class Components:
 
     def shutdown(self) -> None:
         """Releases what the backend started (Ray actors, a local Ray); threads need nothing."""
-        for step in self.shutdown_steps:
+        self.run_steps(self.shutdown_steps)
+
+    @staticmethod
+    def run_steps(steps: list[Callable[[], None]]) -> None:
+        for step in steps:
             try:
                 step()
             except Exception as err:  # the run's outcome is decided; report and go on
                 print(f"asyncrl: shutdown: {err!r}")
-        self.shutdown_steps.clear()
+        steps.clear()
 
 
 def build_components(config: Config, on_batch: OnBatch | None = None) -> Components:
@@ -55,6 +59,22 @@ def build_components(config: Config, on_batch: OnBatch | None = None) -> Compone
     prompts = encode_prompts(task, policy.tokenizer, rollout.max_new_tokens, policy.max_seq_len)
     stream = PromptStream(len(task.examples), rollout.num_prompts_per_step, config.run.seed)
     ledger = Ledger(stream)
+    # built before any checkpoint is loaded: both copy the policy's initial weights
+    reference = ReferencePolicy(policy.model) if config.algo.kl_coef > 0 else None
+    algo: GRPO | PPO
+    if config.algo.name == "ppo":
+        critic = build_critic(policy, config.model, config.run.seed)
+        algo = PPO(
+            policy.model,
+            critic,
+            config.algo,
+            rollout.temperature,
+            policy.pad_id,
+            config.run.seed,
+            reference,
+        )
+    else:
+        algo = GRPO(policy.model, config.algo, rollout.temperature, policy.pad_id, reference)
     deterministic = config.run.deterministic
     max_versions = rollout.max_trajectory_age_steps + 1 if deterministic else 1
     buffer: Buffer
@@ -65,13 +85,18 @@ def build_components(config: Config, on_batch: OnBatch | None = None) -> Compone
 
         if ray_backend.start_ray(config):
             shutdown.append(ray_backend.ray.shutdown)
-        engine = ray_backend.build_ray_engine(
-            config, policy.model, policy.eos_id, policy.pad_id, max_versions
-        )
-        buffer = ray_backend.BufferClient(
-            rollout.num_prompts_per_step, rollout.max_trajectory_age_steps
-        )
-        shutdown[:0] = [engine.shutdown, buffer.shutdown]
+        try:
+            engine = ray_backend.build_ray_engine(
+                config, policy.model, policy.eos_id, policy.pad_id, max_versions
+            )
+            shutdown.insert(0, engine.shutdown)
+            buffer = ray_backend.BufferClient(
+                rollout.num_prompts_per_step, rollout.max_trajectory_age_steps
+            )
+            shutdown.insert(0, buffer.shutdown)
+        except BaseException:
+            Components.run_steps(shutdown)
+            raise
     else:
         buffer = ReplayBuffer(rollout.num_prompts_per_step, rollout.max_trajectory_age_steps)
         engine = TorchGenerationEngine(
@@ -96,20 +121,4 @@ def build_components(config: Config, on_batch: OnBatch | None = None) -> Compone
         pin_versions=deterministic,
         max_failures=rollout.max_generation_failures,
     )
-    # built before any checkpoint is loaded: both copy the policy's initial weights
-    reference = ReferencePolicy(policy.model) if config.algo.kl_coef > 0 else None
-    algo: GRPO | PPO
-    if config.algo.name == "ppo":
-        critic = build_critic(policy, config.model, config.run.seed)
-        algo = PPO(
-            policy.model,
-            critic,
-            config.algo,
-            rollout.temperature,
-            policy.pad_id,
-            config.run.seed,
-            reference,
-        )
-    else:
-        algo = GRPO(policy.model, config.algo, rollout.temperature, policy.pad_id, reference)
     return Components(policy, task, stream, ledger, buffer, engine, collector, algo, shutdown)

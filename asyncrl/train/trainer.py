@@ -129,6 +129,11 @@ class Trainer:
         if "optimizer" not in skip:
             algo.optimizer.load_state_dict(snapshot.optimizer)
         if algo.critic is not None and algo.critic_optimizer is not None and "critic" not in skip:
+            if not snapshot.critic or not snapshot.critic_optimizer:
+                raise CheckpointError(
+                    f"the checkpoint of step {snapshot.trainer['step']} has no critic (it was "
+                    "written by a run without one); algo.name cannot change on resume"
+                )
             algo.critic.load_state_dict(snapshot.critic)
             algo.critic_optimizer.load_state_dict(snapshot.critic_optimizer)
         saved_reference = snapshot.trainer.get("reference_sha256")
@@ -320,6 +325,8 @@ class Trainer:
         snapshot, pause_s = self.state_dict()
         snapshot.model = clone_state(snapshot.model)
         snapshot.optimizer = copy.deepcopy(snapshot.optimizer)
+        snapshot.critic = clone_state(snapshot.critic)  # the next step updates them in place
+        snapshot.critic_optimizer = copy.deepcopy(snapshot.critic_optimizer)
         info = {
             "blocked_s": time.perf_counter() - start,
             "pause_s": pause_s,
