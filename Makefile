@@ -36,7 +36,7 @@ bench: setup
 	$(BIN)/python benchmarks/resume_cost.py
 
 bench-algos: setup
-	$(BIN)/python benchmarks/ppo_vs_grpo.py --steps 600
+	$(BIN)/python benchmarks/ppo_vs_grpo.py
 
 bench-ray: setup
 	$(BIN)/python benchmarks/ray_scaleout.py
