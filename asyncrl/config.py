@@ -258,7 +258,7 @@ class LoggingConfig:
 class RayConfig:
     address: str = ""
     """For `rollout.backend=ray`: the cluster to join (`auto`, `HOST:6379`, or `ray://HOST:10001`).
-    Empty starts a local Ray sized to this machine, bound to 127.0.0.1, without a dashboard."""
+    Empty starts a local Ray sized to this machine, node address 127.0.0.1, no dashboard."""
     num_cpus_per_worker: float = 1.0
     """CPUs each generation worker actor reserves (its torch threads follow
     `run.torch_threads`)."""
