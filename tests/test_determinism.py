@@ -185,3 +185,22 @@ def test_a_ppo_resume_that_skips_restoring_the_critic_is_caught(tmp_path, repo_r
     run_to_kill(run, repo_root, "checkpoint.parent_fsynced:2", extra)  # durable step 6
     code = finish(run, repo_root, skip="critic", extra=extra)
     assert code == 0 and fingerprint(run) != ppo_reference
+
+
+RAY = ("rollout.backend=ray", "rollout.num_workers=2")
+
+
+@pytest.fixture(scope="module")
+def ray_reference(tmp_path_factory, request) -> tuple[list[tuple], str]:
+    return uninterrupted(tmp_path_factory, request, RAY)
+
+
+def test_on_ray_a_killed_driver_resumes_bitwise_the_uninterrupted_run(
+    tmp_path, repo_root, ray_reference
+):
+    run = tmp_path / "run"
+    run_to_kill(run, repo_root, "checkpoint.file_written:4", RAY)  # writing step 6's
+    run_to_kill(run, repo_root, f"train.weights_published:{10 - resume_step(run) + 1}", RAY)
+    assert finish(run, repo_root, extra=RAY) == 0
+    assert {r["attempt"] for r in read_records(run / "metrics.jsonl")} == {0, 1, 2}
+    assert fingerprint(run) == ray_reference
