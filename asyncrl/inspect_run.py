@@ -55,6 +55,9 @@ def inspect_run_dir(run_dir: Path) -> dict[str, Any]:
         "checkpoint": str(latest.path),
         "step": step,
         "num_prompts_per_step": n,
+        "algorithm": state["config"]["algo"]["name"],
+        "has_critic": state.get("critic_aliases") is not None,
+        "reference_sha256": state["trainer"].get("reference_sha256"),
         "ledger": {
             "trained": step * n,
             "buffered": len(buffered),
@@ -81,7 +84,11 @@ def render(info: dict[str, Any]) -> None:
         return
     ledger = info["ledger"]
     console.print(
-        f"[bold]{info['checkpoint']}[/]  step {info['step']}, N={info['num_prompts_per_step']}\n"
+        f"[bold]{info['checkpoint']}[/]  step {info['step']}, N={info['num_prompts_per_step']}, "
+        f"{info['algorithm']}"
+        + (" (critic and its optimizer saved)" if info["has_critic"] else "")
+        + (f", KL reference {info['reference_sha256']}" if info["reference_sha256"] else "")
+        + "\n"
         f"ledger: trained {ledger['trained']}, buffered {ledger['buffered']}, in flight "
         f"{ledger['in_flight']}, handed out {ledger['handed_out']}"
     )

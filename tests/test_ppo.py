@@ -10,6 +10,7 @@ import torch
 from helpers import read_records, small_config
 
 from asyncrl.checkpoint.store import CheckpointError
+from asyncrl.inspect_run import inspect_run_dir
 from asyncrl.models.critic import completion_values
 from asyncrl.rollout.collector import Scorer, make_group, noise_seed
 from asyncrl.rollout.engine import GenerationRequest
@@ -101,6 +102,8 @@ def test_a_critic_from_model_path_and_a_resume_that_checks_the_rebuilt_reference
     assert (critic.score.weight == 0).all()
     config.run.max_num_steps = 2
     train(config, run)
+    info = inspect_run_dir(run)
+    assert info["algorithm"] == "ppo" and info["has_critic"] and info["reference_sha256"]
     config.run.max_num_steps = 3
     train(config, run)  # control: the same files rebuild the same reference
     assert [r["step"] for r in read_records(run / "metrics.jsonl")] == [0, 1, 2]
@@ -147,5 +150,8 @@ def test_a_checkpoint_holds_the_critic_as_it_was_at_the_cut(tmp_path, monkeypatc
 def test_a_grpo_checkpoint_forced_onto_ppo_is_refused_with_the_reason(tmp_path):
     run = tmp_path / "run"
     train(small_config("run.max_num_steps=2"), run)
+    info = inspect_run_dir(run)
+    assert info["algorithm"] == "grpo" and not info["has_critic"]
+    assert info["reference_sha256"] is None
     with pytest.raises(CheckpointError, match="has no critic"):
         train(small_config("run.max_num_steps=3", "algo.name=ppo"), run, force_config=True)
