@@ -186,7 +186,7 @@ class AlgoConfig:
     """`ppo`: passes over the step's samples; each pass is `num_minibatches` optimizer steps."""
     num_minibatches: int = 1
     """`ppo`: optimizer steps per epoch; the step's N*G samples are shuffled (seeded by
-    `run.seed` and the step) and split this many ways."""
+    `run.seed`, the step and the epoch) and split this many ways."""
     critic_lr: float = 1e-3
     """`ppo`: AdamW learning rate of the critic."""
     value_clip_eps: float = 0.2
