@@ -3,6 +3,8 @@ I1 and I3 (`asyncrl audit`) and I4 (the newest verified checkpoint never goes ba
 resume starts from it, and no torn directory is ever loaded).
 
     .venv/bin/python benchmarks/chaos.py --trials 200      # `make chaos`
+    .venv/bin/python benchmarks/chaos.py --trials 30 --set algo.name=ppo
+    .venv/bin/python benchmarks/chaos.py --trials 20 --set rollout.backend=ray --window 3 15
 
 A trial is one launch killed at a uniformly random moment in [0.3, 5] s after it started
 (start-up, training, checkpoint writes and retention all get hit). When a run completes, it is
@@ -140,19 +142,28 @@ def main() -> None:
     parser.add_argument("--trials", type=int, default=200)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--dir", type=Path, default=None, help="keep the run dirs here")
+    parser.add_argument(
+        "--set", action="append", default=[], metavar="KEY=VALUE", help="config override"
+    )
+    parser.add_argument(
+        "--window", type=float, nargs=2, default=(0.3, 5.0), metavar=("LO", "HI"),
+        help="kill each launch this many seconds after it starts (uniform)",
+    )  # fmt: skip
     args = parser.parse_args()
     import tempfile
 
     with tempfile.TemporaryDirectory() as tmp:
         root = args.dir or Path(tmp)
         try:
-            result = run_chaos(args.trials, root, args.seed)
+            result = run_chaos(
+                args.trials, root, args.seed, extra=args.set, window_s=tuple(args.window)
+            )
         except ChaosViolation as err:
             print(f"chaos: VIOLATION: {err}")
             sys.exit(1)
     print(
         f"chaos: {result['kills']} kills over {result['runs']} runs at random wall-clock "
-        "moments: I1, I3, I4 held in 100%"
+        f"moments{' with ' + ' '.join(args.set) if args.set else ''}: I1, I3, I4 held in 100%"
     )
 
 
