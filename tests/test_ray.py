@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 import ray
+import torch
 from helpers import read_records, small_config
 
 from asyncrl.audit import audit_run_dir
@@ -144,3 +145,34 @@ def test_one_checkpoint_resumes_under_either_backend(tmp_path):
         if e["event"] == "start"
     ]
     assert backends == ["threads", "ray", "threads"]
+
+
+def test_a_replaced_worker_generates_with_the_weights_of_the_version_asked_for():
+    """A worker replaced after training began must not take the live (trained) model for
+    version 0: deterministic mode pins early targets to version 0."""
+    from asyncrl.distributed.ray_backend import WorkerDied, build_ray_engine, start_ray
+    from asyncrl.rollout.engine import GenerationRequest, TorchGenerationEngine
+    from asyncrl.train.components import build_components
+
+    config = small_config(*RAY, "rollout.num_workers=1", "run.deterministic=true")
+    policy = build_components(small_config()).policy  # a threads build: just the model
+    oracle = TorchGenerationEngine(policy.model, policy.eos_id, policy.pad_id, 5, 1.0)
+    started = start_ray(config)
+    try:
+        engine = build_ray_engine(config, policy.model, policy.eos_id, policy.pad_id, 2)
+        with torch.no_grad():  # "training": the live model moves on, version 1 is published
+            for p in policy.model.parameters():
+                p.add_(0.5)
+        engine.update_weights(policy.model.state_dict(), 1)
+        ray.kill(engine.workers[0])
+        request = [GenerationRequest([1, 2, 3], 4, noise_seed=7)]
+        with pytest.raises(WorkerDied):
+            engine.generate(request, 0)
+        (out,) = engine.generate(request, 0)  # the replacement
+        (want,) = oracle.generate(request)  # version 0 = the weights before "training"
+        assert out.weights_version == 0 and torch.equal(out.completion_ids, want.completion_ids)
+        assert torch.allclose(out.logprobs, want.logprobs)
+        engine.shutdown()
+    finally:
+        if started:
+            ray.shutdown()
