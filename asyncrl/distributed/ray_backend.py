@@ -143,7 +143,6 @@ class RayEngine:
         self._lock = threading.Lock()
         self._refs: dict[int, Any] = {}
         self._tensors: dict[int, dict[str, torch.Tensor]] = {}
-        self.put_s = 0.0  # driver seconds spent putting weights into the object store
         self.load_s = 0.0  # worker seconds spent fetching and loading weights
         self.workers_replaced = 0
         self._closed = False
@@ -155,7 +154,6 @@ class RayEngine:
             return max(self._refs)
 
     def update_weights(self, state: dict[str, torch.Tensor], version: int) -> None:
-        start = time.perf_counter()
         ref = ray.put(to_numpy(state))
         tensors = clone_state(state) if self.max_versions > 1 else {}
         with self._lock:
@@ -164,7 +162,6 @@ class RayEngine:
             for old in sorted(self._refs)[: -self.max_versions]:
                 del self._refs[old]
                 del self._tensors[old]
-            self.put_s += time.perf_counter() - start
 
     def published_versions(self) -> dict[int, dict[str, torch.Tensor]]:
         with self._lock:

@@ -4,40 +4,20 @@ optional KL penalty to the reference policy and entropy bonus in the loss."""
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 from transformers import PreTrainedModel
 
 from asyncrl.config import AlgoConfig
 from asyncrl.core.advantages import group_advantages
-from asyncrl.core.losses import ClippedPolicyLoss, kl_estimate, masked_mean
+from asyncrl.core.losses import ClippedPolicyLoss
 from asyncrl.core.types import Group
-from asyncrl.models.policy import completion_logprobs
-from asyncrl.train.update import ReferencePolicy, gradient_step, stack_groups
-
-
-def regularise(
-    loss: torch.Tensor,
-    logprobs: torch.Tensor,
-    entropy: torch.Tensor,
-    ref_logprobs: torch.Tensor | None,
-    mask: torch.Tensor,
-    config: AlgoConfig,
-) -> tuple[torch.Tensor, dict[str, float]]:
-    """Adds the KL penalty to the reference (when `ref_logprobs` is given) and subtracts the
-    entropy bonus; terms with a zero coefficient are not added at all (the loss stays
-    bit-identical to the bare surrogate)."""
-    stats = {}
-    mean_entropy = masked_mean(entropy, mask)
-    stats["entropy"] = float(mean_entropy.detach())
-    if ref_logprobs is not None:
-        kl = masked_mean(kl_estimate(logprobs, ref_logprobs, config.kl_estimator), mask)
-        stats["kl_ref"] = float(kl.detach())
-        loss = loss + config.kl_coef * kl
-    if config.entropy_coef > 0:
-        loss = loss - config.entropy_coef * mean_entropy
-    return loss, stats
+from asyncrl.train.update import (
+    ReferencePolicy,
+    batch_logprobs,
+    gradient_step,
+    regularise,
+    stack_groups,
+)
 
 
 class GRPO:
@@ -73,16 +53,7 @@ class GRPO:
             else None
         )
         self.model.train()
-        logprobs, entropy = completion_logprobs(
-            self.model,
-            batch["prompts"],
-            batch["completion_ids"],
-            mask,
-            self.temperature,
-            self.pad_id,
-            with_entropy=True,
-        )
-        assert entropy is not None
+        logprobs, entropy = batch_logprobs(self.model, batch, self.temperature, self.pad_id)
         loss, stats = self.loss_fn(logprobs, batch["behaviour_logprobs"], advantages, mask)
         loss, extra = regularise(loss, logprobs, entropy, ref_logprobs, mask, self.config)
         grad_norm = gradient_step(
@@ -100,10 +71,3 @@ class GRPO:
             **stats,
             **extra,
         }
-
-    def state_dict(self) -> dict[str, Any]:
-        return {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict()}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.model.load_state_dict(state["model"])
-        self.optimizer.load_state_dict(state["optimizer"])

@@ -36,9 +36,13 @@ from asyncrl.core.losses import (
 )
 from asyncrl.core.types import Group
 from asyncrl.models.critic import completion_values
-from asyncrl.models.policy import completion_logprobs
-from asyncrl.train.grpo import regularise
-from asyncrl.train.update import ReferencePolicy, gradient_step, stack_groups
+from asyncrl.train.update import (
+    ReferencePolicy,
+    batch_logprobs,
+    gradient_step,
+    regularise,
+    stack_groups,
+)
 
 
 def minibatches(
@@ -94,17 +98,7 @@ class PPO:
         )
 
     def _logprobs(self, batch: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:
-        logprobs, entropy = completion_logprobs(
-            self.model,
-            batch["prompts"],
-            batch["completion_ids"],
-            batch["completion_mask"],
-            self.temperature,
-            self.pad_id,
-            with_entropy=True,
-        )
-        assert entropy is not None
-        return logprobs, entropy
+        return batch_logprobs(self.model, batch, self.temperature, self.pad_id)
 
     def _values(self, batch: dict[str, Any]) -> torch.Tensor:
         return completion_values(

@@ -1,5 +1,5 @@
-"""What GRPO and PPO share: the step's samples as one batch, one guarded optimizer update, and
-the frozen reference policy of the KL penalty."""
+"""What GRPO and PPO share: the step's samples as one batch, its log-probs, one guarded
+optimizer update, the KL penalty and entropy bonus, and the frozen reference policy."""
 
 from __future__ import annotations
 
@@ -11,6 +11,8 @@ from typing import Any
 import torch
 from transformers import PreTrainedModel
 
+from asyncrl.config import AlgoConfig
+from asyncrl.core.losses import kl_estimate, masked_mean
 from asyncrl.core.types import Group
 from asyncrl.models.policy import completion_logprobs
 
@@ -36,6 +38,46 @@ def stack_groups(groups: list[Group], pad_id: int) -> dict[str, Any]:
         "behaviour_logprobs": pad_right([g.behaviour_logprobs for g in groups], width, 0.0),
         "rewards": torch.stack([g.rewards for g in groups]),
     }
+
+
+def batch_logprobs(
+    model: PreTrainedModel, batch: dict[str, Any], temperature: float, pad_id: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Log-probs and entropies [B, T] of a stacked batch's completion tokens under `model`."""
+    logprobs, entropy = completion_logprobs(
+        model,
+        batch["prompts"],
+        batch["completion_ids"],
+        batch["completion_mask"],
+        temperature,
+        pad_id,
+        with_entropy=True,
+    )
+    assert entropy is not None
+    return logprobs, entropy
+
+
+def regularise(
+    loss: torch.Tensor,
+    logprobs: torch.Tensor,
+    entropy: torch.Tensor,
+    ref_logprobs: torch.Tensor | None,
+    mask: torch.Tensor,
+    config: AlgoConfig,
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """Adds the KL penalty to the reference (when `ref_logprobs` is given) and subtracts the
+    entropy bonus; terms with a zero coefficient are not added at all (the loss stays
+    bit-identical to the bare surrogate)."""
+    stats = {}
+    mean_entropy = masked_mean(entropy, mask)
+    stats["entropy"] = float(mean_entropy.detach())
+    if ref_logprobs is not None:
+        kl = masked_mean(kl_estimate(logprobs, ref_logprobs, config.kl_estimator), mask)
+        stats["kl_ref"] = float(kl.detach())
+        loss = loss + config.kl_coef * kl
+    if config.entropy_coef > 0:
+        loss = loss - config.entropy_coef * mean_entropy
+    return loss, stats
 
 
 def gradient_step(
@@ -93,5 +135,5 @@ class ReferencePolicy:
             batch["completion_mask"],
             temperature,
             pad_id,
-        )
+        )  # no entropy: the reference only needs the chosen tokens' log-probs
         return logprobs
