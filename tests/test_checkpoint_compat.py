@@ -1,0 +1,108 @@
+"""Checkpoints written by an earlier asyncrl still resume, losslessly.
+
+`tests/fixtures/v1/` holds run dirs written by the code of commit feb4d52 (checkpoint format 1,
+before checkpoints became a dict of named parts), each SIGKILLed right after its step-6
+checkpoint became durable (`ASYNCRL_FAULT=checkpoint.parent_fsynced:2`), with these keys on
+`configs/demo.yaml`:
+
+    COMMON below, plus: grpo — nothing; ppo — `algo.name=ppo algo.kl_coef=0.05
+    algo.num_minibatches=2 algo.critic_warmup_steps=2` (critic, its optimizer, a KL reference);
+    det — `run.deterministic=true` (older weights versions in the checkpoint).
+
+`det_uninterrupted_metrics.jsonl` is the same deterministic run, never killed, by that code:
+the oracle the resumed run must match bit for bit.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from helpers import read_records
+
+pytestmark = pytest.mark.slow
+
+FIXTURES = Path(__file__).resolve().parent / "fixtures" / "v1"
+COMMON = [
+    "run.max_num_steps=12", "model.hidden_size=16", "model.num_layers=1", "model.num_heads=2",
+    "model.max_seq_len=16", "data.num_examples=64", "rollout.num_prompts_per_step=4",
+    "rollout.num_generations_per_prompt=4", "rollout.max_trajectory_age_steps=2",
+    "rollout.groups_per_batch=1", "checkpoint.save_period=3", "checkpoint.keep_last=1",
+    "logging.progress=false", "logging.plot=false",
+]  # fmt: skip
+EXTRA = {
+    "grpo": [],
+    "ppo": [
+        "algo.name=ppo", "algo.kl_coef=0.05", "algo.num_minibatches=2",
+        "algo.critic_warmup_steps=2",
+    ],
+    "det": ["run.deterministic=true"],
+}  # fmt: skip
+
+
+def asyncrl(*args: str) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "PYTHONWARNINGS": "ignore"}
+    return subprocess.run(
+        [sys.executable, "-m", "asyncrl.cli", *args],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
+    )
+
+
+def train(run: Path, repo_root: Path, *extra: str) -> subprocess.CompletedProcess[str]:
+    config = str(repo_root / "configs" / "demo.yaml")
+    return asyncrl("train", config, "--run-dir", str(run), *COMMON, *extra)
+
+
+@pytest.mark.parametrize("name", sorted(EXTRA))
+def test_a_format_1_checkpoint_resumes_losslessly(tmp_path, repo_root, name):
+    run = tmp_path / name
+    shutil.copytree(FIXTURES / name, run)
+    saved = json.loads((run / "checkpoints" / "step_000006" / "state.json").read_text())
+    buffered = sorted(g["ticket"]["ordinal"] for g in saved["buffer"]["groups"])
+    in_flight = sorted(k for k, _ in saved["ledger"]["in_flight"])
+    assert in_flight, "the fixture was killed with prompts in flight"
+
+    done = train(run, repo_root, *EXTRA[name])
+    assert done.returncode == 0, done.stdout + done.stderr
+
+    (resume,) = [e for e in read_records(run / "events.jsonl") if e["event"] == "resume"]
+    assert resume["from_step"] == 6 and resume["policy"] == "lossless"
+    assert resume["kept_groups"] == buffered
+    assert sorted(resume["reissued_ordinals"]) == in_flight
+    assert resume["skipped_ordinals"] == [] and resume["discarded_groups"] == []
+    final = {r["step"]: r for r in read_records(run / "metrics.jsonl")}
+    assert sorted(final) == list(range(12))
+    for t, record in final.items():
+        assert record["prompt_ordinals"] == list(range(t * 4, (t + 1) * 4))  # I1
+    regenerated = {
+        k
+        for span in read_records(run / "timeline.jsonl")
+        if span["kind"] == "generate" and span["attempt"] == 1
+        for k in span["ordinals"]
+    }
+    assert not regenerated & set(buffered), "a buffered group was generated again"  # I3
+    audit = asyncrl("audit", str(run))
+    assert audit.returncode == 0 and "I1 ok, I3 ok" in audit.stdout, audit.stdout
+
+
+def test_a_deterministic_format_1_checkpoint_resumes_bitwise_the_uninterrupted_run(
+    tmp_path, repo_root
+):
+    run = tmp_path / "det"
+    shutil.copytree(FIXTURES / "det", run)
+    done = train(run, repo_root, *EXTRA["det"])
+    assert done.returncode == 0, done.stdout + done.stderr
+    oracle = {r["step"]: r for r in read_records(FIXTURES / "det_uninterrupted_metrics.jsonl")}
+    resumed = {r["step"]: r for r in read_records(run / "metrics.jsonl") if r["attempt"] == 1}
+    assert sorted(resumed) == list(range(6, 12))
+    for step, record in resumed.items():
+        for key in ("loss", "reward_mean", "tokens_sha256", "grad_norm", "prompt_ordinals"):
+            assert record[key] == oracle[step][key], (step, key)
