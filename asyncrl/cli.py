@@ -65,12 +65,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 def _train(args: argparse.Namespace) -> int:
+    from asyncrl.algos.update import NonFiniteLoss
     from asyncrl.checkpoint.store import CheckpointError
     from asyncrl.rollout.collector import GenerationFailed
     from asyncrl.train.rundir import RunDirError
     from asyncrl.train.signals import EXIT_PREEMPTED, Preempted, StopRequest
     from asyncrl.train.trainer import train
-    from asyncrl.train.update import NonFiniteLoss
 
     stop = StopRequest()
     stop.install()

@@ -28,16 +28,29 @@ class ConfigError(ValueError):
     """A config file, key or value the user must fix. The message says where and how."""
 
 
+ON_RESUME = "on_resume"
+"""Field metadata: what a resume may do with a key. Keys without it bear semantics: a resume
+that changes one is refused, naming it, unless `--force-config`."""
+MAY_CHANGE = {ON_RESUME: "may_change"}
+"""It does not change what any step trains."""
+MAY_CHANGE_UNLESS_DETERMINISTIC = {ON_RESUME: "may_change_unless_deterministic"}
+"""It does not change what a step trains, but it changes the bits (batch shapes and thread
+counts change floating-point reduction order): a deterministic run may not change it."""
+NEVER_CHANGES = {ON_RESUME: "never"}
+"""A checkpoint cannot even be loaded with another value (weight shapes, the buffer's layout):
+not even `--force-config` changes it."""
+
+
 @dataclass
 class RunConfig:
     seed: int = 0
     """Seeds model init, the per-epoch prompt permutations and each group's sampling noise."""
-    max_num_steps: int = 200
+    max_num_steps: int = field(default=200, metadata=MAY_CHANGE)
     """Optimizer steps to train; the run ends (exit 0) when step `max_num_steps - 1` is done."""
     deterministic: bool = False
     """Bit-for-bit reproducible runs, resumed or not (DESIGN.md I5): target t is generated with
     exactly weights version max(0, t-A), in fixed batches; see docs/determinism.md."""
-    torch_threads: int = 1
+    torch_threads: int = field(default=1, metadata=MAY_CHANGE_UNLESS_DETERMINISTIC)
     """torch intra-op threads per process. 1 lets generation and training each own a core on a
     2-core machine; 0 keeps torch's default."""
 
@@ -48,19 +61,19 @@ class RunConfig:
 
 @dataclass
 class ModelConfig:
-    preset: Literal["tiny"] = "tiny"
+    preset: Literal["tiny"] = field(default="tiny", metadata=NEVER_CHANGES)
     """Built-in architecture used when `path` is empty: `tiny` is a Llama-style causal LM built
     from a config in code, with a character tokenizer over the task's alphabet."""
-    path: str = ""
+    path: str = field(default="", metadata=NEVER_CHANGES)
     """A local Hugging Face model directory (`save_pretrained` format, with its tokenizer).
     Empty means: build `preset` from scratch."""
-    hidden_size: int = 128
+    hidden_size: int = field(default=128, metadata=NEVER_CHANGES)
     """Width of the `tiny` preset."""
-    num_layers: int = 2
+    num_layers: int = field(default=2, metadata=NEVER_CHANGES)
     """Transformer blocks of the `tiny` preset."""
-    num_heads: int = 4
+    num_heads: int = field(default=4, metadata=NEVER_CHANGES)
     """Attention heads of the `tiny` preset."""
-    max_seq_len: int = 64
+    max_seq_len: int = field(default=64, metadata=NEVER_CHANGES)
     """Longest prompt + completion the `tiny` preset accepts, in tokens."""
 
     def validate(self) -> None:
@@ -106,7 +119,7 @@ class DataConfig:
 
 @dataclass
 class RolloutConfig:
-    num_prompts_per_step: int = 16
+    num_prompts_per_step: int = field(default=16, metadata=NEVER_CHANGES)
     """N: prompt groups trained per optimizer step."""
     num_generations_per_prompt: int = 16
     """G: samples generated per prompt (the group)."""
@@ -114,20 +127,36 @@ class RolloutConfig:
     """Longest completion, in tokens, EOS included."""
     temperature: float = 1.0
     """Sampling temperature; the trainer scores tokens at the same temperature."""
-    max_trajectory_age_steps: int = 1
+    max_trajectory_age_steps: int = field(default=1, metadata=NEVER_CHANGES)
     """A: a group trained at step t was generated with weights versions in [t-A, t].
     0 is exactly synchronous, on-policy training."""
-    max_generation_failures: int = 3
+    max_generation_failures: int = field(default=3, metadata=MAY_CHANGE)
     """Failed generation batches in a row (an exception in the engine or the reward function)
     after which the run stops; each failed batch is re-dispatched first."""
-    groups_per_batch: int = 0
+    groups_per_batch: int = field(default=0, metadata=MAY_CHANGE_UNLESS_DETERMINISTIC)
     """Prompt groups the engine generates together in one batch; 0 means N (one step's worth).
     Smaller batches make groups land in the buffer a few at a time."""
-    backend: Literal["threads", "ray"] = "threads"
+    engine: Literal["torch"] = "torch"
+    """Which engine generates: `torch` is asyncrl's own batched sampler with a KV cache over the
+    Hugging Face model (pinned weights versions and per-request noise: deterministic mode works
+    with it)."""
+    backend: Literal["threads", "ray"] = field(
+        default="threads", metadata=MAY_CHANGE_UNLESS_DETERMINISTIC
+    )
     """Where generation runs: `threads` is a background thread in this process; `ray` runs
     `num_workers` generation actors on a Ray cluster (local by default, see `ray.address`)."""
-    num_workers: int = 1
+    num_workers: int = field(default=1, metadata=MAY_CHANGE_UNLESS_DETERMINISTIC)
     """For `backend=ray`: generation worker actors; each batch is split across them."""
+
+    @property
+    def buffer_capacity(self) -> int:
+        """(A+1)*N: the most groups the replay buffer ever holds (targets t..t+A)."""
+        return (self.max_trajectory_age_steps + 1) * self.num_prompts_per_step
+
+    @property
+    def resolved_groups_per_batch(self) -> int:
+        """`groups_per_batch`, with 0 resolved to N."""
+        return self.groups_per_batch or self.num_prompts_per_step
 
     def validate(self) -> None:
         for key in ("num_prompts_per_step", "num_generations_per_prompt", "max_new_tokens"):
@@ -153,9 +182,13 @@ class RolloutConfig:
 
 @dataclass
 class AlgoConfig:
-    name: Literal["grpo", "ppo"] = "grpo"
-    """The RL algorithm: `grpo` (group-normalised advantages, no critic) or `ppo` (a critic,
-    GAE, epochs over minibatches; see docs/ppo.md)."""
+    """The keys every algorithm shares. An algorithm's own keys are its `Options` dataclass
+    (in its file under `asyncrl/algos/`), set as `algo.KEY` like these and held in `options`."""
+
+    name: str = "grpo"
+    """The RL algorithm, from the registry in `asyncrl/algos/__init__.py`: `grpo`
+    (group-normalised advantages, no critic), `ppo` (a critic, GAE, epochs over minibatches;
+    see docs/ppo.md) or `rloo` (REINFORCE with a leave-one-out baseline)."""
     lr: float = 3e-4
     """AdamW learning rate of the policy."""
     weight_decay: float = 0.0
@@ -170,34 +203,15 @@ class AlgoConfig:
     disables it and builds no reference model."""
     kl_estimator: Literal["k1", "k3"] = "k3"
     """Per-token KL estimator: `k1` = log-ratio, `k3` = exp(-log-ratio) + log-ratio - 1."""
-    kl_in_reward: bool = False
-    """`ppo` only: subtract the KL penalty from the per-token rewards (as InstructGPT) instead
-    of adding it to the policy loss (as GRPO)."""
     entropy_coef: float = 0.0
     """Weight of the entropy bonus: the loss subtracts `entropy_coef` times the token-mean
     entropy of the policy."""
-    gamma: float = 1.0
-    """`ppo`: discount of GAE."""
-    lam: float = 0.95
-    """`ppo`: GAE's lambda (0 = one-step TD advantages, 1 = Monte Carlo returns minus values)."""
-    normalize_advantages: bool = True
-    """`ppo`: whiten the advantages over the step's real tokens."""
-    ppo_epochs: int = 1
-    """`ppo`: passes over the step's samples; each pass is `num_minibatches` optimizer steps."""
-    num_minibatches: int = 1
-    """`ppo`: optimizer steps per epoch; the step's N*G samples are shuffled (seeded by
-    `run.seed`, the step and the epoch) and split this many ways."""
-    critic_lr: float = 1e-3
-    """`ppo`: AdamW learning rate of the critic."""
-    value_clip_eps: float = 0.2
-    """`ppo`: the value loss clips the new value to within this of the value at the start of
-    the step; 0 disables value clipping."""
-    critic_warmup_steps: int = 0
-    """`ppo`: steps at the start of the run that train only the critic; the policy (and so the
-    generated weights) stays as it is."""
-    tis_cap: float = 2.0
-    """`ppo`: truncation of the token-level importance weight pi_old / pi_behaviour that
-    corrects for tokens generated by older weights (TIS); 0 leaves it untruncated."""
+    options: Any = field(default=None, metadata={"options": True})
+    # not a key: the chosen algorithm's `Options` instance (its own keys)
+
+    def __post_init__(self) -> None:
+        if self.options is None:
+            self.options = options_class(self.name)()
 
     def validate(self) -> None:
         _require(self.lr > 0, "algo.lr", self.lr, "> 0")
@@ -206,34 +220,43 @@ class AlgoConfig:
         _require(0 < self.clip_eps < 1, "algo.clip_eps", self.clip_eps, "in (0, 1)")
         _require(self.kl_coef >= 0, "algo.kl_coef", self.kl_coef, ">= 0")
         _require(self.entropy_coef >= 0, "algo.entropy_coef", self.entropy_coef, ">= 0")
-        _require(0 <= self.gamma <= 1, "algo.gamma", self.gamma, "in [0, 1]")
-        _require(0 <= self.lam <= 1, "algo.lam", self.lam, "in [0, 1]")
-        _require(self.ppo_epochs >= 1, "algo.ppo_epochs", self.ppo_epochs, ">= 1")
-        _require(self.num_minibatches >= 1, "algo.num_minibatches", self.num_minibatches, ">= 1")
-        _require(self.critic_lr > 0, "algo.critic_lr", self.critic_lr, "> 0")
-        _require(self.value_clip_eps >= 0, "algo.value_clip_eps", self.value_clip_eps, ">= 0")
-        _require(
-            self.critic_warmup_steps >= 0,
-            "algo.critic_warmup_steps",
-            self.critic_warmup_steps,
-            ">= 0",
-        )
-        _require(self.tis_cap == 0 or self.tis_cap >= 1, "algo.tis_cap", self.tis_cap, "0 or >= 1")
-        if self.kl_in_reward and self.name != "ppo":
-            raise ConfigError(
-                "algo.kl_in_reward: only `ppo` has per-token rewards; with algo.name="
-                f"{self.name!r} the KL penalty goes in the loss (set algo.kl_in_reward=false)"
-            )
+
+
+def algorithm_names() -> list[str]:
+    from asyncrl.algos import ALGORITHMS  # the registry; imported here to avoid a cycle
+
+    return list(ALGORITHMS)
+
+
+def options_class(name: str) -> type:
+    """The `Options` dataclass of algorithm `name` (its own `algo.*` keys)."""
+    from asyncrl.algos import algorithm_class
+
+    return algorithm_class(name).Options
+
+
+def _algo_fields() -> list[tuple[str, dataclasses.Field[Any], type]]:
+    """(owner, field, class) of every `algo.*` key: the shared ones (owner ""), then each
+    algorithm's own, in registry order."""
+    shared = [("", f, AlgoConfig) for f in dataclasses.fields(AlgoConfig) if f.name != "options"]
+    own = [
+        (name, f, options_class(name))
+        for name in algorithm_names()
+        for f in dataclasses.fields(options_class(name))
+    ]
+    return shared + own
 
 
 @dataclass
 class CheckpointConfig:
-    save_period: int = 10
+    save_period: int = field(default=10, metadata=MAY_CHANGE)
     """Write a checkpoint after every `save_period` steps; the last step always gets one."""
-    keep_last: int = 3
+    keep_last: int = field(default=3, metadata=MAY_CHANGE)
     """Verified checkpoints of this run to keep; older ones are deleted after each save. The
     newest verified checkpoint is never deleted."""
-    resume_policy: Literal["lossless", "keep_incomplete", "drop_incomplete"] = "lossless"
+    resume_policy: Literal["lossless", "keep_incomplete", "drop_incomplete"] = field(
+        default="lossless", metadata=MAY_CHANGE
+    )
     """What a resume does with the checkpoint's in-flight and short targets: `lossless` re-
     dispatches in-flight prompts; `keep_incomplete` and `drop_incomplete` reproduce NeMo RL's
     lossy resumes (see the README)."""
@@ -245,21 +268,21 @@ class CheckpointConfig:
 
 @dataclass
 class LoggingConfig:
-    progress: bool = True
+    progress: bool = field(default=True, metadata=MAY_CHANGE)
     """Show a progress bar on stderr."""
-    tensorboard: bool = False
+    tensorboard: bool = field(default=False, metadata=MAY_CHANGE)
     """Also write every metric as TensorBoard scalars under `RUN_DIR/tensorboard/`."""
-    plot: bool = True
+    plot: bool = field(default=True, metadata=MAY_CHANGE)
     """At the end of the run, write `reward_curve.png` and the four `plots/` PNGs of
     `asyncrl plot`."""
 
 
 @dataclass
 class RayConfig:
-    address: str = ""
+    address: str = field(default="", metadata=MAY_CHANGE)
     """For `rollout.backend=ray`: the cluster to join (`auto`, `HOST:6379`, or `ray://HOST:10001`).
     Empty starts a local Ray sized to this machine, node address 127.0.0.1, no dashboard."""
-    num_cpus_per_worker: float = 1.0
+    num_cpus_per_worker: float = field(default=1.0, metadata=MAY_CHANGE_UNLESS_DETERMINISTIC)
     """CPUs each generation worker actor reserves (its torch threads follow
     `run.torch_threads`)."""
 
@@ -288,13 +311,7 @@ class Config:
             check = getattr(getattr(self, section.name), "validate", None)
             if check is not None:
                 check()
-        samples = self.rollout.num_prompts_per_step * self.rollout.num_generations_per_prompt
-        _require(
-            self.algo.num_minibatches <= samples,
-            "algo.num_minibatches",
-            self.algo.num_minibatches,
-            f"at most the N*G={samples} samples of a step",
-        )
+        self.algo.options.validate(self)
         n, batch = self.rollout.num_prompts_per_step, self.rollout.groups_per_batch
         _require(
             batch <= n and (batch == 0 or n % batch == 0),
@@ -310,8 +327,17 @@ class Config:
                 "lossless when run.deterministic=true",
             )
 
+    @property
+    def kept_weight_versions(self) -> int:
+        """Weights versions generation keeps: deterministic mode generates target t with
+        version max(0, t-A), so it keeps A+1; otherwise only the newest is ever used."""
+        return self.rollout.max_trajectory_age_steps + 1 if self.run.deterministic else 1
+
     def to_dict(self) -> dict[str, dict[str, Any]]:
-        return dataclasses.asdict(self)
+        """`{section: {key: value}}`, the algorithm's own keys among `algo`'s."""
+        out = {f.name: dataclasses.asdict(getattr(self, f.name)) for f in dataclasses.fields(self)}
+        out["algo"].update(out["algo"].pop("options"))
+        return out
 
 
 def _require(ok: bool, key: str, value: Any, allowed: str) -> None:
@@ -323,14 +349,33 @@ SECTIONS: dict[str, type] = dict(typing.get_type_hints(Config))
 """Section name -> its dataclass, in declaration order."""
 
 
-BENIGN_KEYS = frozenset(
-    {"run.max_num_steps", "run.torch_threads", "rollout.backend", "rollout.groups_per_batch"}
-    | {"rollout.max_generation_failures", "rollout.num_workers"}
-    | {f"ray.{f.name}" for f in dataclasses.fields(RayConfig)}
-    | {f"checkpoint.{f.name}" for f in dataclasses.fields(CheckpointConfig)}
-    | {f"logging.{f.name}" for f in dataclasses.fields(LoggingConfig)}
-)
-"""Keys a resume may change: they do not change what any step trains."""
+def key_fields() -> dict[str, dataclasses.Field[Any]]:
+    """`section.key` -> its dataclass field, for every key, in declaration order (the
+    algorithm's own keys after `algo`'s shared ones)."""
+    out: dict[str, dataclasses.Field[Any]] = {}
+    for name, cls in SECTIONS.items():
+        if cls is AlgoConfig:
+            out.update({f"algo.{f.name}": f for _, f, _ in _algo_fields()})
+        else:
+            out.update({f"{name}.{f.name}": f for f in dataclasses.fields(cls)})
+    return out
+
+
+def resume_rule(key: str) -> str:
+    """What a resume may do with `key`: `may_change`, `may_change_unless_deterministic`,
+    `never` or `semantic` (refused unless --force-config). Read from the field's metadata."""
+    found = key_fields().get(key)
+    return found.metadata.get(ON_RESUME, "semantic") if found is not None else "semantic"
+
+
+def _benign_keys(deterministic: bool) -> set[str]:
+    allowed = {"may_change"} if deterministic else {"may_change", "may_change_unless_deterministic"}
+    return {key for key in key_fields() if resume_rule(key) in allowed}
+
+
+def _default(key: str) -> Any:
+    found = key_fields()[key]
+    return found.default_factory() if callable(found.default_factory) else found.default
 
 
 def flatten(config: Config | dict[str, dict[str, Any]]) -> dict[str, Any]:
@@ -339,39 +384,37 @@ def flatten(config: Config | dict[str, dict[str, Any]]) -> dict[str, Any]:
     return {f"{s}.{k}": v for s, values in nested.items() for k, v in values.items()}
 
 
-DETERMINISM_KEYS = frozenset(
-    {"run.torch_threads", "rollout.groups_per_batch", "rollout.backend", "rollout.num_workers"}
-    | {"ray.num_cpus_per_worker"}  # with run.torch_threads=0 it sets the workers' threads
-)
-"""Benign keys that still change the bits: batch shapes and intra-op thread counts change
-floating-point reduction order, so a deterministic run may not change them."""
-
-
 def semantic_differences(saved: dict[str, dict[str, Any]], now: Config) -> list[str]:
-    """`key: checkpoint=X, now=Y` for every semantics-bearing key that differs."""
+    """`key: checkpoint=X, now=Y` for every semantics-bearing key that differs. A key the
+    checkpoint's config predates counts as its default there."""
     before, after = flatten(saved), flatten(now)
-    benign = BENIGN_KEYS - DETERMINISM_KEYS if before.get("run.deterministic") else BENIGN_KEYS
+    benign = _benign_keys(bool(before.get("run.deterministic")))
     return [
-        f"{key}: checkpoint={before.get(key)!r}, now={after[key]!r}"
+        f"{key}: checkpoint={before.get(key, _default(key))!r}, now={after[key]!r}"
         for key in after
-        if key not in benign and before.get(key) != after[key]
+        if key not in benign and before.get(key, _default(key)) != after[key]
     ]
 
 
 def benign_differences(saved: dict[str, dict[str, Any]], now: Config) -> dict[str, list[Any]]:
     before, after = flatten(saved), flatten(now)
-    return {k: [before.get(k), after[k]] for k in sorted(BENIGN_KEYS) if before.get(k) != after[k]}
+    return {
+        k: [before.get(k), after[k]]
+        for k in sorted(_benign_keys(False))
+        if k in after and before.get(k) != after[k]
+    }
 
 
 def config_hash(config: Config) -> str:
     """SHA-256 of the semantics-bearing keys: equal hashes train the same steps."""
-    semantic = {k: v for k, v in flatten(config).items() if k not in BENIGN_KEYS}
+    benign = _benign_keys(False)
+    semantic = {k: v for k, v in flatten(config).items() if k not in benign}
     return hashlib.sha256(json.dumps(semantic, sort_keys=True).encode()).hexdigest()
 
 
 def config_keys() -> list[str]:
     """Every accepted `section.key`, in declaration order: the frozen config surface."""
-    return [f"{name}.{f.name}" for name, cls in SECTIONS.items() for f in dataclasses.fields(cls)]
+    return list(key_fields())
 
 
 def field_docs(cls: type) -> dict[str, str]:
@@ -450,8 +493,11 @@ def build_config(raw: dict[str, Any], overrides: Sequence[str] = ()) -> Config:
         if section not in SECTIONS:
             raise _unknown(key, config_keys())
         merged.setdefault(section, {})[name] = yaml.safe_load(text) if text else ""
-    kwargs = {}
+    kwargs: dict[str, Any] = {}
     for section, cls in SECTIONS.items():
+        if cls is AlgoConfig:
+            kwargs[section] = _build_algo(merged.get(section, {}))
+            continue
         hints = typing.get_type_hints(cls)
         values = {}
         for name, value in merged.get(section, {}).items():
@@ -463,6 +509,35 @@ def build_config(raw: dict[str, Any], overrides: Sequence[str] = ()) -> Config:
     config = Config(**kwargs)
     config.validate()
     return config
+
+
+def _build_algo(raw: dict[str, Any]) -> AlgoConfig:
+    """The `algo` section: the shared keys, and the keys of the algorithm `name` picks. A key
+    of another algorithm is refused naming the algorithm it belongs to."""
+    names = algorithm_names()
+    name = raw.get("name", AlgoConfig.name)
+    if name not in names:
+        choices = ", ".join(repr(n) for n in names)
+        raise ConfigError(f"algo.name: got {name!r}, allowed values: {choices}")
+    shared = {k: v for k, v in typing.get_type_hints(AlgoConfig).items() if k != "options"}
+    options_cls = options_class(name)
+    own = typing.get_type_hints(options_cls)
+    owners = {f.name: owner for owner, f, _ in _algo_fields() if owner}
+    common: dict[str, Any] = {}
+    options: dict[str, Any] = {}
+    for key, value in raw.items():
+        if key in shared:
+            common[key] = _coerce(f"algo.{key}", value, shared[key])
+        elif key in own:
+            options[key] = _coerce(f"algo.{key}", value, own[key])
+        elif key in owners:
+            raise ConfigError(
+                f"algo.{key}: a key of algo.name={owners[key]}, and this config has "
+                f"algo.name={name}; remove it, or set algo.name={owners[key]}"
+            )
+        else:
+            raise _unknown(f"algo.{key}", config_keys())
+    return AlgoConfig(**common, options=options_cls(**options))
 
 
 def load_config(path: str | Path, overrides: Sequence[str] = ()) -> Config:
@@ -485,10 +560,18 @@ def dump_config(config: Config) -> str:
 
 
 def reference_markdown() -> str:
-    """The README's config reference: one table row per key, from the field docstrings."""
+    """The README's config reference: one table row per key, from the field docstrings; an
+    algorithm's own keys say which algorithm they belong to."""
     rows = ["| key | default | meaning |", "| --- | --- | --- |"]
     defaults = Config().to_dict()
     for name, cls in SECTIONS.items():
+        if cls is AlgoConfig:
+            for owner, f, owner_cls in _algo_fields():
+                doc = field_docs(owner_cls).get(f.name, "")
+                shown = json.dumps(_default(f"algo.{f.name}"))
+                prefix = f"`{owner}` only: " if owner else ""
+                rows.append(f"| `algo.{f.name}` | `{shown}` | {prefix}{doc} |")
+            continue
         docs = field_docs(cls)
         for f in dataclasses.fields(cls):
             shown = json.dumps(defaults[name][f.name])

@@ -7,7 +7,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from asyncrl.checkpoint.snapshot import read_state
+from asyncrl.checkpoint.snapshot import read_parts
 from asyncrl.checkpoint.store import CheckpointStore
 from asyncrl.core.resume import POLICIES, SavedLedger, plan_resume
 
@@ -24,14 +24,14 @@ def inspect_run_dir(run_dir: Path) -> dict[str, Any]:
     latest, rejected = store.latest()
     if latest is None:
         return {"run_dir": str(run_dir), "checkpoint": None, "rejected": rejected}
-    state = read_state(latest)
-    n = int(state["config"]["rollout"]["num_prompts_per_step"])
-    step = int(state["trainer"]["step"])
+    parts, config = read_parts(latest)
+    n = int(config["rollout"]["num_prompts_per_step"])
+    step = int(parts["trainer"]["step"])
     buffered = [
-        (g["ticket"]["ordinal"], g["ticket"]["target_step"]) for g in state["buffer"]["groups"]
+        (g["ticket"]["ordinal"], g["ticket"]["target_step"]) for g in parts["buffer"]["groups"]
     ]
-    in_flight = [(int(k), int(t)) for k, t in state["ledger"]["in_flight"]]
-    saved = SavedLedger(step, n, int(state["ledger"]["stream"]["cursor"]), in_flight, buffered)
+    in_flight = [(int(k), int(t)) for k, t in parts["ledger"]["in_flight"]]
+    saved = SavedLedger(step, n, int(parts["stream"]["cursor"]), in_flight, buffered)
     targets = sorted({t for _, t in buffered + in_flight})
     per_target = {
         str(t): {
@@ -55,9 +55,9 @@ def inspect_run_dir(run_dir: Path) -> dict[str, Any]:
         "checkpoint": str(latest.path),
         "step": step,
         "num_prompts_per_step": n,
-        "algorithm": state["config"]["algo"]["name"],
-        "has_critic": state.get("critic_aliases") is not None,
-        "reference_sha256": state["trainer"].get("reference_sha256"),
+        "algorithm": config["algo"]["name"],
+        "has_critic": "critic" in parts["algorithm"],
+        "reference_sha256": parts["algorithm"].get("reference_sha256"),
         "ledger": {
             "trained": step * n,
             "buffered": len(buffered),

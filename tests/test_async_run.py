@@ -13,10 +13,10 @@ from asyncrl.models.policy import load_policy
 from asyncrl.rollout.collector import Scorer, encode_prompts, make_group, noise_seed
 from asyncrl.rollout.engine import GenerationRequest, TorchGenerationEngine
 from asyncrl.tasks.source import load_task
-from asyncrl.train.grpo import GRPO
-from asyncrl.train.ppo import PPO
+from asyncrl.algos.grpo import GRPO
+from asyncrl.algos.ppo import PPO
 from asyncrl.train.trainer import train
-from asyncrl.train.update import ReferencePolicy
+from asyncrl.algos.update import ReferencePolicy
 
 
 def reference_sync_losses(config) -> list[tuple[float, float]]:

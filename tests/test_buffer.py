@@ -25,7 +25,7 @@ def group(ordinal: int, n: int = 3, reward: float = 0.5) -> Group:
 
 
 def test_sample_returns_exactly_the_targets_n_groups_ordered_by_ordinal():
-    buffer = ReplayBuffer(num_prompts_per_step=3, max_age_steps=1)
+    buffer = ReplayBuffer(num_prompts_per_step=3, capacity=6)
     for k in (4, 2, 5, 0, 3, 1):
         buffer.add(group(k))
     assert [g.ordinal for g in buffer.sample(1)] == [3, 4, 5]
@@ -34,7 +34,7 @@ def test_sample_returns_exactly_the_targets_n_groups_ordered_by_ordinal():
 
 
 def test_sample_waits_until_the_last_group_of_its_target_arrives():
-    buffer = ReplayBuffer(num_prompts_per_step=3, max_age_steps=0)
+    buffer = ReplayBuffer(num_prompts_per_step=3, capacity=3)
     buffer.add(group(0))
     buffer.add(group(2))
     got: list[list[int]] = []
@@ -48,7 +48,7 @@ def test_sample_waits_until_the_last_group_of_its_target_arrives():
 
 
 def test_buffer_refuses_more_than_a_plus_one_steps_of_groups():
-    buffer = ReplayBuffer(num_prompts_per_step=3, max_age_steps=1)
+    buffer = ReplayBuffer(num_prompts_per_step=3, capacity=6)
     assert buffer.capacity == 6
     for k in range(6):
         buffer.add(group(k))
@@ -57,14 +57,14 @@ def test_buffer_refuses_more_than_a_plus_one_steps_of_groups():
 
 
 def test_buffer_refuses_a_group_it_already_holds():
-    buffer = ReplayBuffer(num_prompts_per_step=3, max_age_steps=1)
+    buffer = ReplayBuffer(num_prompts_per_step=3, capacity=6)
     buffer.add(group(1))
     with pytest.raises(BufferOverflow, match="ordinal 1 is already buffered"):
         buffer.add(group(1))
 
 
 def test_a_failing_check_aborts_the_wait():
-    buffer = ReplayBuffer(num_prompts_per_step=3, max_age_steps=0)
+    buffer = ReplayBuffer(num_prompts_per_step=3, capacity=3)
 
     def check() -> None:
         raise RuntimeError("worker died")
@@ -74,11 +74,11 @@ def test_a_failing_check_aborts_the_wait():
 
 
 def test_state_dict_round_trips_every_group_field():
-    buffer = ReplayBuffer(num_prompts_per_step=3, max_age_steps=1)
+    buffer = ReplayBuffer(num_prompts_per_step=3, capacity=6)
     originals = [group(k, reward=0.1 * k) for k in (0, 1, 4)]
     for g in originals:
         buffer.add(g)
-    restored = ReplayBuffer(num_prompts_per_step=3, max_age_steps=1)
+    restored = ReplayBuffer(num_prompts_per_step=3, capacity=6)
     restored.load_state_dict(buffer.state_dict())
     assert restored.counts_by_target() == {0: 2, 1: 1}
     for k, original in zip((0, 1), originals[:2], strict=True):
@@ -91,7 +91,7 @@ def test_state_dict_round_trips_every_group_field():
 def test_the_wait_check_runs_without_the_buffer_lock_held():
     # `check` takes the collector's lock, and the collector takes the buffer's lock to add a
     # group: calling `check` while holding the buffer's lock could deadlock the two threads.
-    buffer = ReplayBuffer(num_prompts_per_step=3, max_age_steps=0)
+    buffer = ReplayBuffer(num_prompts_per_step=3, capacity=3)
     seen: list[bool] = []
 
     def check() -> None:

@@ -127,7 +127,7 @@ def snapshot_of_a_tiny_run(algo: str = "grpo") -> Snapshot:
     model = parts.policy.model
     model(input_ids=torch.tensor([[4, 5, 6]])).logits.mean().backward()
     parts.algo.optimizer.step()  # AdamW now has exp_avg, exp_avg_sq and step tensors
-    tickets = parts.ledger.admit(weights_version=0, max_age_steps=1, max_count=7)
+    tickets = parts.ledger.admit(weights_version=0, window=1, max_count=7, end_target=10**6)
     scorer = Scorer(parts.task, parts.policy.tokenizer)
     tokenizer = parts.policy.tokenizer
     for ticket in tickets[:5]:

@@ -19,7 +19,7 @@ from asyncrl.rollout.engine import TorchGenerationEngine
 from asyncrl.train import grpo
 from asyncrl.train.rundir import RunDirError
 from asyncrl.train.trainer import train
-from asyncrl.train.update import NonFiniteLoss
+from asyncrl.algos.update import NonFiniteLoss
 
 
 def flaky_generate(monkeypatch, fail_calls: set[int], error: BaseException) -> None:

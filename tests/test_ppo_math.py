@@ -18,7 +18,7 @@ from asyncrl.core.losses import (
     kl_estimate,
     truncated_is_weights,
 )
-from asyncrl.train.ppo import minibatches
+from asyncrl.algos.ppo import minibatches
 
 
 def test_gae_matches_a_hand_computed_case_with_episode_ends_and_a_bootstrap_value():

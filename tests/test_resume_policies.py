@@ -94,22 +94,17 @@ def test_the_seed_scenario_through_the_real_ledger_and_buffer():
     stream = PromptStream(num_rows=500, num_prompts_per_step=N, seed=1)
     ledger = Ledger(stream)
     stream.cursor = 77
-    buffer = ReplayBuffer(N, max_age_steps=1)
-    tickets = ledger.admit(weights_version=11, max_age_steps=0, max_count=N)
+    buffer = ReplayBuffer(N, capacity=2 * N)
+    tickets = ledger.admit(weights_version=11, window=0, max_count=N, end_target=10**6)
     assert [t.ordinal for t in tickets] == list(range(77, 84))
     for ticket in tickets[:5]:
         ids, mask = torch.zeros(2, 1, dtype=torch.long), torch.ones(2, 1, dtype=torch.bool)
         buffer.add(Group(ticket, [1], ids, mask, torch.zeros(2, 1), torch.zeros(2), 11, 11))
         ledger.complete(ticket.ordinal)
     restored = Ledger(PromptStream(num_rows=500, num_prompts_per_step=N, seed=1))
+    restored.stream.load_state_dict(ledger.stream.state_dict())
     restored.load_state_dict(ledger.state_dict())
-    saved = SavedLedger(
-        step=11,
-        num_prompts_per_step=N,
-        cursor=restored.stream.cursor,
-        in_flight=[(t.ordinal, t.target_step) for t in restored.redispatch],
-        buffered=buffer.ordinals_and_targets(),
-    )
+    saved = restored.saved(11, buffer.ordinals_and_targets())
     assert saved == SEED
-    again = restored.admit(weights_version=11, max_age_steps=0, max_count=N)
+    again = restored.admit(weights_version=11, window=0, max_count=N, end_target=10**6)
     assert [(t.ordinal, t.target_step) for t in again] == [(82, 11), (83, 11)]

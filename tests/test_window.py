@@ -6,8 +6,8 @@ from asyncrl.core.window import is_admissible, staleness
 
 
 def test_synchronous_window_admits_target_t_only_once_version_t_exists():
-    assert is_admissible(target_step=3, weights_version=3, max_age_steps=0)
-    assert not is_admissible(target_step=4, weights_version=3, max_age_steps=0)
+    assert is_admissible(target_step=3, weights_version=3, window=0)
+    assert not is_admissible(target_step=4, weights_version=3, window=0)
 
 
 @pytest.mark.parametrize("age", [0, 1, 2, 5])

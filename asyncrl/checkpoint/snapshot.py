@@ -1,20 +1,28 @@
-"""What goes into a checkpoint, and back out: tensors in safetensors, everything else in JSON.
+"""What goes into a checkpoint, and back out: a dict of named stateful parts, tensors in
+safetensors, everything else in JSON (STYLE.md rule 15, after torchtitan's checkpointer).
 
-Files of a checkpoint directory:
-    model.safetensors   policy weights (tied tensors stored once, aliases in state.json)
-    state.safetensors   optimizer tensors, replay-buffer tensors, torch RNG state; for PPO
-                        the critic's weights and its optimizer's tensors
-    state.json          step, weights version, ledger, buffer metadata, optimizer
-                        hyperparameters, Python/NumPy RNG state, config
-Nothing is a pickle: loading a checkpoint cannot execute code (DESIGN.md I7).
+A part is anything with `state_dict()` / `load_state_dict()`; the trainer names them (see
+`Trainer.stateful_parts`): `trainer` (step, attempt, run id), `model` (the policy's weights),
+`algorithm` (whatever the algorithm owns: optimizers, a critic, its reference's hash), `rng`,
+`stream` (cursor and target schedule), `ledger` (in-flight ordinals), `buffer` (finished
+groups) and `generation` (older weights versions deterministic mode still generates with).
+This module knows no part by its contents, and no algorithm.
+
+Files of a checkpoint directory (format 2):
+    model.safetensors   the `model` part: tensors under their own names (tied ones stored once)
+    state.safetensors   every other part's tensors, named `PART/PATH/IN/ITS/STATE`
+    state.json          {"format_version": 2, "parts": {PART: its state with each tensor
+                        replaced by {"__tensor__": NAME}}, "config": the run's config}
+Nothing is a pickle: loading a checkpoint cannot execute code (DESIGN.md I7). Format 1
+checkpoints are read by `asyncrl.checkpoint.legacy`.
 """
 
 from __future__ import annotations
 
 import json
 import random
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, Protocol
 
 import numpy as np
 import torch
@@ -22,147 +30,141 @@ from safetensors import SafetensorError
 from safetensors.torch import load as load_tensors
 from safetensors.torch import save as save_tensors
 
+from asyncrl.checkpoint.legacy import json_parts_from_v1, parts_from_v1
 from asyncrl.checkpoint.store import CheckpointError, Verified
+from asyncrl.core.tensors import clone_state
 
-GROUP_TENSORS = ("completion_ids", "completion_mask", "behaviour_logprobs", "rewards")
 FILES = ("model.safetensors", "state.safetensors", "state.json")
 """Every checkpoint holds exactly these (plus manifest.json)."""
+MODEL_PART = "model"
+"""The part stored in model.safetensors under its own tensor names."""
+
+
+class Stateful(Protocol):
+    def state_dict(self) -> dict[str, Any]: ...
+
+    def load_state_dict(self, state: dict[str, Any]) -> Any: ...
 
 
 @dataclass
 class Snapshot:
-    """One consistent cut of a run, in memory."""
+    """One consistent cut of a run, in memory: each part's state, and the config."""
 
-    trainer: dict[str, Any]  # step, weights_version, attempt, run_id ...
-    model: dict[str, torch.Tensor]
-    optimizer: dict[str, Any]  # torch optimizer state_dict
-    ledger: dict[str, Any]
-    buffer: dict[str, Any]  # ReplayBuffer.state_dict()
-    rng: dict[str, Any]
+    parts: dict[str, dict[str, Any]]
     config: dict[str, Any]
-    generation: dict[int, dict[str, torch.Tensor]] = field(default_factory=dict)
-    """Deterministic mode: the older weights versions the engine still has to generate with."""
-    critic: dict[str, torch.Tensor] = field(default_factory=dict)
-    """PPO: the critic's weights (empty for GRPO)."""
-    critic_optimizer: dict[str, Any] = field(default_factory=dict)
-    """PPO: the critic optimizer's state_dict (empty for GRPO)."""
+
+    @property
+    def step(self) -> int:
+        return int(self.parts["trainer"]["step"])
 
 
-def capture_rng() -> dict[str, Any]:
-    return {
-        "python": random.getstate(),
-        "numpy": np.random.get_state(),
-        "torch": torch.get_rng_state(),
-    }
+class RNGState:
+    """The global Python, NumPy and torch generators as a stateful part. (Nothing in a run
+    draws from them — sampling noise comes from (seed, ordinal) — but they are saved so that
+    user code which does is resumed too.)"""
 
-
-def restore_rng(rng: dict[str, Any]) -> None:
-    version, internal, gauss = rng["python"]
-    random.setstate((version, tuple(internal), gauss))
-    name, keys, pos, has_gauss, cached = rng["numpy"]
-    np.random.set_state((name, np.asarray(keys, dtype=np.uint32), pos, has_gauss, cached))
-    torch.set_rng_state(rng["torch"])
-
-
-def _dedupe(state: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
-    """Stores tensors that share memory (tied embeddings) once; returns {alias: stored name}."""
-    kept: dict[tuple[int, int], str] = {}
-    tensors: dict[str, torch.Tensor] = {}
-    aliases: dict[str, str] = {}
-    for name, tensor in state.items():
-        key = (tensor.untyped_storage().data_ptr(), int(tensor.storage_offset()))
-        if key in kept and tensors[kept[key]].shape == tensor.shape:
-            aliases[name] = kept[key]
-            continue
-        kept[key] = name
-        tensors[name] = tensor.detach().contiguous()
-    return tensors, aliases
-
-
-def _encode_optimizer(
-    optimizer: dict[str, Any], prefix: str, tensors: dict[str, torch.Tensor]
-) -> dict[str, Any]:
-    """Moves an optimizer state_dict's tensors into `tensors` under `prefix/`; returns the rest
-    (JSON)."""
-    scalars: dict[str, dict[str, Any]] = {}
-    for index, entry in optimizer["state"].items():
-        for key, value in entry.items():
-            if isinstance(value, torch.Tensor):
-                tensors[f"{prefix}/{index}/{key}"] = value.detach().contiguous()
-            else:
-                scalars.setdefault(str(index), {})[key] = value
-    return {
-        "param_groups": optimizer["param_groups"],
-        "state_indices": [str(i) for i in optimizer["state"]],
-        "scalars": scalars,
-    }
-
-
-def _decode_optimizer(
-    meta: dict[str, Any], prefix: str, tensors: dict[str, torch.Tensor]
-) -> dict[str, Any]:
-    state: dict[int, dict[str, Any]] = {}
-    for index in meta["state_indices"]:
-        start = f"{prefix}/{index}/"
-        entry: dict[str, Any] = {
-            k[len(start) :]: v for k, v in tensors.items() if k.startswith(start)
+    def state_dict(self) -> dict[str, Any]:
+        version, internal, gauss = random.getstate()
+        name, keys, pos, has_gauss, cached = np.random.get_state(legacy=True)
+        return {
+            "python": [version, list(internal), gauss],
+            "numpy": [name, np.asarray(keys).tolist(), pos, has_gauss, cached],
+            "torch": torch.get_rng_state(),
         }
-        entry.update(meta["scalars"].get(index, {}))
-        state[int(index)] = entry
-    param_groups = [
-        {**g, "betas": tuple(g["betas"])} if "betas" in g else g for g in meta["param_groups"]
-    ]
-    return {"state": state, "param_groups": param_groups}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        version, internal, gauss = state["python"]
+        random.setstate((version, tuple(internal), gauss))
+        name, keys, pos, has_gauss, cached = state["numpy"]
+        np.random.set_state((name, np.asarray(keys, dtype=np.uint32), pos, has_gauss, cached))
+        torch.set_rng_state(state["torch"])
+
+
+def stage(state: Any) -> Any:
+    """A private copy of a part's state: tensors cloned (those that shared memory still share
+    it), everything else deep-copied. The trainer goes on updating the originals in place
+    while the copy is written in the background."""
+    tensors: dict[str, torch.Tensor] = {}
+    tree = _flatten(state, "", tensors, {})
+    return _unflatten(tree, clone_state(tensors))
+
+
+# --- the tree codec: nested dicts/lists/tuples of tensors and JSON values <-> JSON + tensors
+
+
+def _flatten(
+    value: Any, path: str, tensors: dict[str, torch.Tensor], seen: dict[tuple[Any, ...], str]
+) -> Any:
+    if isinstance(value, torch.Tensor):
+        key = (
+            value.untyped_storage().data_ptr(),
+            int(value.storage_offset()),
+            tuple(value.shape),
+            tuple(value.stride()),
+            value.dtype,
+        )
+        if key not in seen:  # a tensor stored under another name (tied weights) is stored once
+            if path in tensors:
+                raise ValueError(f"two tensors would be stored as {path!r}")
+            seen[key] = path
+            tensors[path] = value.detach().contiguous()
+        return {"__tensor__": seen[key]}
+    if isinstance(value, dict):
+        if all(isinstance(k, str) and not k.startswith("__") for k in value):
+            return {k: _flatten(v, _join(path, k), tensors, seen) for k, v in value.items()}
+        items = [[k, _flatten(v, _join(path, str(k)), tensors, seen)] for k, v in value.items()]
+        return {"__items__": items}
+    if isinstance(value, tuple):
+        return {"__tuple__": _flatten(list(value), path, tensors, seen)}
+    if isinstance(value, list):
+        return [_flatten(v, _join(path, str(i)), tensors, seen) for i, v in enumerate(value)]
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    raise TypeError(f"{path or 'state'}: a {type(value).__name__} cannot go into a checkpoint")
+
+
+def _join(path: str, key: str) -> str:
+    return f"{path}/{key}" if path else key
+
+
+def _unflatten(tree: Any, tensors: dict[str, torch.Tensor]) -> Any:
+    if isinstance(tree, dict):
+        if "__tensor__" in tree:
+            return tensors[tree["__tensor__"]]
+        if "__items__" in tree:
+            return {k: _unflatten(v, tensors) for k, v in tree["__items__"]}
+        if "__tuple__" in tree:
+            return tuple(_unflatten(v, tensors) for v in tree["__tuple__"])
+        return {k: _unflatten(v, tensors) for k, v in tree.items()}
+    if isinstance(tree, list):
+        return [_unflatten(v, tensors) for v in tree]
+    return tree
 
 
 def encode(snapshot: Snapshot) -> dict[str, bytes]:
-    """The checkpoint files of a snapshot, as bytes."""
-    model, aliases = _dedupe(snapshot.model)
-    tensors: dict[str, torch.Tensor] = {"rng/torch": snapshot.rng["torch"]}
-    optimizer = _encode_optimizer(snapshot.optimizer, "optimizer", tensors)
-    critic_optimizer = (
-        _encode_optimizer(snapshot.critic_optimizer, "critic_optimizer", tensors)
-        if snapshot.critic_optimizer
-        else None
-    )
-    critic, critic_aliases = _dedupe(snapshot.critic)
-    tensors.update({f"critic/{k}": v for k, v in critic.items()})
-    groups_meta = []
-    for group in snapshot.buffer["groups"]:
-        ordinal = group["ticket"]["ordinal"]
-        for key in GROUP_TENSORS:
-            tensors[f"buffer/{ordinal}/{key}"] = group[key].contiguous()
-        groups_meta.append({k: v for k, v in group.items() if k not in GROUP_TENSORS})
-    generation_aliases = {}
-    for version, weights in snapshot.generation.items():
-        stored, aliases_v = _dedupe(weights)
-        tensors.update({f"generation/{version}/{k}": v for k, v in stored.items()})
-        generation_aliases[str(version)] = aliases_v
-    numpy_state = snapshot.rng["numpy"]
-    state = {
-        "trainer": snapshot.trainer,
-        "ledger": snapshot.ledger,
-        "buffer": {"groups": groups_meta},
-        "optimizer": optimizer,
-        "critic_optimizer": critic_optimizer,
-        "critic_aliases": critic_aliases if snapshot.critic else None,
-        "rng": {
-            "python": list(snapshot.rng["python"]),
-            "numpy": [numpy_state[0], numpy_state[1].tolist(), *numpy_state[2:]],
-        },
-        "model_aliases": aliases,
-        "generation_aliases": generation_aliases,
-        "config": snapshot.config,
-    }
+    """The checkpoint files of a snapshot, as bytes (format 2)."""
+    model_tensors: dict[str, torch.Tensor] = {}
+    tensors: dict[str, torch.Tensor] = {}
+    parts = {}
+    for name, state in snapshot.parts.items():
+        if name == MODEL_PART:
+            parts[name] = _flatten(state, "", model_tensors, {})
+        else:
+            parts[name] = _flatten(state, name, tensors, {})
+    state_json = {"format_version": 2, "parts": parts, "config": snapshot.config}
     return {
-        "model.safetensors": save_tensors(model),
+        "model.safetensors": save_tensors(model_tensors),
         "state.safetensors": save_tensors(tensors),
-        "state.json": json.dumps(state).encode(),
+        "state.json": json.dumps(state_json).encode(),
     }
+
+
+def format_version(verified: Verified) -> int:
+    return int(verified.manifest.get("format_version", 1))
 
 
 def read_state(verified: Verified) -> dict[str, Any]:
-    """Just `state.json` of a verified checkpoint (for `inspect`: no tensors needed)."""
+    """Just `state.json` of a verified checkpoint."""
     try:
         state: dict[str, Any] = json.loads(verified.read_bytes("state.json"))
     except (KeyError, json.JSONDecodeError, UnicodeDecodeError) as err:
@@ -170,18 +172,51 @@ def read_state(verified: Verified) -> dict[str, Any]:
     return state
 
 
-def check_cut(snapshot: Snapshot, num_prompts_per_step: int, capacity: int) -> None:
-    """Refuses a snapshot whose parts do not fit together (a checksum only proves the files are
-    the ones written, not that what was written is coherent)."""
-    step = int(snapshot.trainer["step"])
-    cursor = int(snapshot.ledger["stream"]["cursor"])
-    buffered = {
-        int(g["ticket"]["ordinal"]): int(g["ticket"]["target_step"])
-        for g in snapshot.buffer["groups"]
-    }
-    in_flight = {int(k): int(t) for k, t in snapshot.ledger["in_flight"]}
+def read_parts(verified: Verified) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The parts of a verified checkpoint as JSON (tensors left as `{"__tensor__": NAME}`),
+    and its config: all `inspect` and the coherence check need, without loading a tensor."""
+    state = read_state(verified)
+    try:
+        if format_version(verified) == 1:
+            return json_parts_from_v1(state), state["config"]
+        return state["parts"], state["config"]
+    except (KeyError, TypeError) as err:
+        raise CheckpointError(f"{verified.path / 'state.json'}: malformed ({err!r})") from None
+
+
+def decode(verified: Verified) -> Snapshot:
+    """Reads a verified checkpoint back into a Snapshot."""
+    state = read_state(verified)
+    try:
+        model = load_tensors(verified.read_bytes("model.safetensors"))
+        tensors = load_tensors(verified.read_bytes("state.safetensors"))
+    except (KeyError, ValueError, SafetensorError) as err:
+        raise CheckpointError(f"{verified.path}: tensors unreadable ({err})") from None
+    try:
+        if format_version(verified) == 1:
+            return Snapshot(parts_from_v1(state, model, tensors), state["config"])
+        parts = {
+            name: _unflatten(tree, model if name == MODEL_PART else tensors)
+            for name, tree in state["parts"].items()
+        }
+        return Snapshot(parts, state["config"])
+    except (KeyError, TypeError, ValueError) as err:
+        raise CheckpointError(
+            f"{verified.path}: state does not match its tensors ({err!r})"
+        ) from None
+
+
+def check_cut(parts: dict[str, Any], num_prompts_per_step: int, capacity: int) -> None:
+    """Refuses a cut whose parts do not fit together (a checksum only proves the files are the
+    ones written, not that what was written is coherent). Reads only JSON-level values, so it
+    works on `read_parts` as well as on a decoded snapshot's parts."""
+    step = int(parts["trainer"]["step"])
+    cursor = int(parts["stream"]["cursor"])
+    groups = parts["buffer"]["groups"]
+    buffered = {int(g["ticket"]["ordinal"]): int(g["ticket"]["target_step"]) for g in groups}
+    in_flight = {int(k): int(t) for k, t in parts["ledger"]["in_flight"]}
     problems = []
-    if len(buffered) != len(snapshot.buffer["groups"]):
+    if len(buffered) != len(groups):
         problems.append("an ordinal is buffered twice")
     if set(buffered) & set(in_flight):
         problems.append(
@@ -201,60 +236,3 @@ def check_cut(snapshot: Snapshot, num_prompts_per_step: int, capacity: int) -> N
         problems.append(f"more than N={num_prompts_per_step} groups for one target")
     if problems:
         raise CheckpointError(f"incoherent checkpoint of step {step}: " + "; ".join(problems))
-
-
-def decode(verified: Verified) -> Snapshot:
-    """Reads a verified checkpoint back into a Snapshot."""
-    state = read_state(verified)
-    try:
-        model = load_tensors(verified.read_bytes("model.safetensors"))
-        tensors = load_tensors(verified.read_bytes("state.safetensors"))
-    except (KeyError, ValueError, SafetensorError) as err:
-        raise CheckpointError(f"{verified.path}: tensors unreadable ({err})") from None
-    try:
-        return _assemble(state, model, tensors)
-    except (KeyError, TypeError, ValueError) as err:
-        raise CheckpointError(
-            f"{verified.path}: state does not match its tensors ({err!r})"
-        ) from None
-
-
-def _assemble(
-    state: dict[str, Any], model: dict[str, torch.Tensor], tensors: dict[str, torch.Tensor]
-) -> Snapshot:
-    for alias, name in state["model_aliases"].items():
-        model[alias] = model[name]
-    critic: dict[str, torch.Tensor] = {}
-    if state.get("critic_aliases") is not None:
-        critic = {k[len("critic/") :]: v for k, v in tensors.items() if k.startswith("critic/")}
-        for alias, name in state["critic_aliases"].items():
-            critic[alias] = critic[name]
-    critic_optimizer = (
-        _decode_optimizer(state["critic_optimizer"], "critic_optimizer", tensors)
-        if state.get("critic_optimizer")
-        else {}
-    )
-    groups = []
-    for meta in state["buffer"]["groups"]:
-        ordinal = meta["ticket"]["ordinal"]
-        groups.append({**meta, **{k: tensors[f"buffer/{ordinal}/{k}"] for k in GROUP_TENSORS}})
-    generation: dict[int, dict[str, torch.Tensor]] = {}
-    for version, aliases in state.get("generation_aliases", {}).items():
-        prefix = f"generation/{version}/"
-        weights = {k[len(prefix) :]: v for k, v in tensors.items() if k.startswith(prefix)}
-        for alias, name in aliases.items():
-            weights[alias] = weights[name]
-        generation[int(version)] = weights
-    python_rng = state["rng"]["python"]
-    return Snapshot(
-        trainer=state["trainer"],
-        model=model,
-        optimizer=_decode_optimizer(state["optimizer"], "optimizer", tensors),
-        ledger=state["ledger"],
-        buffer={"groups": groups},
-        rng={"python": python_rng, "numpy": state["rng"]["numpy"], "torch": tensors["rng/torch"]},
-        config=state["config"],
-        generation=generation,
-        critic=critic,
-        critic_optimizer=critic_optimizer,
-    )

@@ -45,9 +45,11 @@ class BufferOverflow(RuntimeError):
 
 
 class ReplayBuffer:
-    def __init__(self, num_prompts_per_step: int, max_age_steps: int) -> None:
+    def __init__(self, num_prompts_per_step: int, capacity: int) -> None:
+        """`capacity` is `(A+1)*N` (`RolloutConfig.buffer_capacity`): with the window checked
+        at admission, no more groups can ever be buffered at once."""
         self.num_prompts_per_step = num_prompts_per_step
-        self.capacity = (max_age_steps + 1) * num_prompts_per_step
+        self.capacity = capacity
         self._groups: dict[int, Group] = {}  # ordinal -> group
         self._cond = threading.Condition()
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 from collections import deque
 from typing import Any
 
+from asyncrl.core.resume import ResumePlan, SavedLedger
 from asyncrl.core.stream import PromptStream
 from asyncrl.core.types import PromptTicket
 from asyncrl.core.window import is_admissible
@@ -28,12 +29,17 @@ class Ledger:
         """The target of the next ticket `admit` would hand out: re-dispatches come first."""
         return self.redispatch[0].target_step if self.redispatch else self.stream.peek_target()
 
-    def admit(self, weights_version: int, max_age_steps: int, max_count: int) -> list[PromptTicket]:
-        """Up to `max_count` tickets whose targets are inside the window at `weights_version`,
-        re-dispatched ordinals first; each becomes in flight."""
+    def admit(
+        self, weights_version: int, window: int, max_count: int, end_target: int
+    ) -> list[PromptTicket]:
+        """Up to `max_count` tickets whose targets are inside the window at `weights_version`
+        and before `end_target` (the run's step count: nothing is generated for a step that
+        will not train), re-dispatched ordinals first; each becomes in flight."""
         tickets: list[PromptTicket] = []
-        while len(tickets) < max_count and is_admissible(
-            self.next_target(), weights_version, max_age_steps
+        while (
+            len(tickets) < max_count
+            and self.next_target() < end_target
+            and is_admissible(self.next_target(), weights_version, window)
         ):
             ticket = self.redispatch.popleft() if self.redispatch else self.stream.take()
             self.in_flight[ticket.ordinal] = ticket
@@ -54,16 +60,34 @@ class Ledger:
         """Every ticket handed out but not buffered: in flight or queued for re-dispatch."""
         return sorted([*self.in_flight.values(), *self.redispatch], key=lambda t: t.ordinal)
 
+    def saved(self, step: int, buffered: list[tuple[int, int]]) -> SavedLedger:
+        """What a checkpoint of `step` says about ordinals, read off this restored ledger and
+        the restored buffer's (ordinal, target) pairs: the input of a resume plan."""
+        return SavedLedger(
+            step=step,
+            num_prompts_per_step=self.stream.num_prompts_per_step,
+            cursor=self.stream.cursor,
+            in_flight=[(t.ordinal, t.target_step) for t in self.unfinished()],
+            buffered=buffered,
+        )
+
+    def apply(self, plan: ResumePlan) -> None:
+        """Applies a resume plan to the restored ledger. `lossless` keeps the re-dispatch
+        queue (the in-flight ordinals go out again, first); a lossy policy drops it — those
+        ordinals are skipped — and re-plans the stream's targets from its cursor (the plan's
+        discarded groups are the buffer's to delete)."""
+        if plan.policy == "lossless":
+            return
+        self.redispatch.clear()
+        self.stream.schedule.refill(self.stream.cursor, plan.fills, plan.next_target)
+
     def state_dict(self) -> dict[str, Any]:
         """In a checkpoint, in-flight and queued tickets are both saved as in flight: a resume
-        dispatches them again (lossless) or skips them (lossy policies)."""
-        return {
-            "stream": self.stream.state_dict(),
-            "in_flight": [[t.ordinal, t.target_step] for t in self.unfinished()],
-        }
+        dispatches them again (lossless) or skips them (lossy policies). The stream is a part
+        of its own."""
+        return {"in_flight": [[t.ordinal, t.target_step] for t in self.unfinished()]}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.stream.load_state_dict(state["stream"])
         self.in_flight = {}
         self.redispatch = deque(
             self.stream.ticket(int(k), target_step=int(t)) for k, t in state["in_flight"]

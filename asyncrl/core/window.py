@@ -9,9 +9,9 @@ A = 0 admits target t only once version t exists: exactly synchronous training.
 from __future__ import annotations
 
 
-def is_admissible(target_step: int, weights_version: int, max_age_steps: int) -> bool:
+def is_admissible(target_step: int, weights_version: int, window: int) -> bool:
     """True if a group for `target_step` may start generating at `weights_version`."""
-    return target_step <= weights_version + max_age_steps
+    return target_step <= weights_version + window
 
 
 def staleness(train_step: int, generation_version: int) -> int:

@@ -12,23 +12,19 @@ next batch on, so every group trained at step t was generated with a version >= 
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
-import math
 import threading
 import time
-from collections.abc import Callable, Sequence
-from typing import Any
+from collections.abc import Callable, Iterator, Sequence
 
 import torch
-from transformers import PreTrainedTokenizerBase
 
-from asyncrl.config import ConfigError
 from asyncrl.core.buffer import Buffer
 from asyncrl.core.ledger import Ledger
 from asyncrl.core.types import Group, PromptTicket
 from asyncrl.faults import fault_point
 from asyncrl.rollout.engine import GenerationEngine, GenerationOutput, GenerationRequest
-from asyncrl.tasks.source import Task
 
 
 class GenerationFailed(RuntimeError):
@@ -36,61 +32,11 @@ class GenerationFailed(RuntimeError):
     a step; the cause is chained."""
 
 
-class RewardError(RuntimeError):
-    """The reward function raised or returned a non-finite value; names the ordinal."""
-
-
 def noise_seed(seed: int, ordinal: int) -> int:
     """The sampling seed of one group: a function of (run seed, ordinal) only, so a group
     regenerated after a resume draws the same noise."""
     digest = hashlib.sha256(f"asyncrl-noise:{seed}:{ordinal}".encode()).digest()
     return int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)
-
-
-def encode_prompts(
-    task: Task, tokenizer: PreTrainedTokenizerBase, max_new_tokens: int, max_seq_len: int
-) -> list[list[int]]:
-    """Token ids of every example's prompt. Refuses, naming the example, a prompt with
-    characters the tokenizer cannot represent or too long for the model's context."""
-    unk = tokenizer.unk_token_id
-    encoded = []
-    for example in task.examples:
-        ids = tokenizer(example.prompt, add_special_tokens=False)["input_ids"]
-        if unk is not None and unk in ids:
-            raise ConfigError(
-                f"{example.origin}: the prompt has characters the tokenizer does not know"
-            )
-        if len(ids) + max_new_tokens > max_seq_len:
-            raise ConfigError(
-                f"{example.origin}: prompt is {len(ids)} tokens; with "
-                f"rollout.max_new_tokens={max_new_tokens} it exceeds the model's context of "
-                f"{max_seq_len} tokens"
-            )
-        encoded.append(ids)
-    return encoded
-
-
-class Scorer:
-    """Decodes completions and applies the task's reward function to each sample."""
-
-    def __init__(self, task: Task, tokenizer: PreTrainedTokenizerBase) -> None:
-        self.task = task
-        self.tokenizer = tokenizer
-
-    def __call__(self, ticket: PromptTicket, output: GenerationOutput) -> torch.Tensor:
-        example = self.task.examples[ticket.dataset_index]
-        rewards = []
-        for ids, mask in zip(output.completion_ids, output.completion_mask, strict=True):
-            text = str(self.tokenizer.decode(ids[mask].tolist(), skip_special_tokens=True))
-            where = f"{self.task.reward_fn_name} on ordinal {ticket.ordinal} ({example.origin})"
-            try:
-                value = float(self.task.reward_fn(text, example.answer))
-            except Exception as err:
-                raise RewardError(f"{where} raised {err!r} for completion {text!r}") from err
-            if not math.isfinite(value):
-                raise RewardError(f"{where} returned {value} for completion {text!r}")
-            rewards.append(value)
-        return torch.tensor(rewards, dtype=torch.float32)
 
 
 def make_group(
@@ -130,9 +76,10 @@ class Collector:
         prompts: Sequence[list[int]],
         scorer: Callable[[PromptTicket, GenerationOutput], torch.Tensor],
         num_generations: int,
-        max_age_steps: int,
+        window: int,
         seed: int,
-        batch_groups: int,
+        groups_per_batch: int,
+        end_target: int,
         on_batch: Callable[[float, float, int, list[PromptTicket]], None] | None = None,
         pin_versions: bool = False,
         max_failures: int = 3,
@@ -143,15 +90,16 @@ class Collector:
         self.prompts = prompts
         self.scorer = scorer
         self.num_generations = num_generations
-        self.max_age_steps = max_age_steps
+        self.window = window
         self.seed = seed
-        self.batch_groups = batch_groups
+        self.groups_per_batch = groups_per_batch
+        self.end_target = end_target  # run.max_num_steps: no group for a step that never trains
         self.on_batch = on_batch
         self.pin_versions = pin_versions
         self.max_failures = max_failures
         self.num_failures = 0  # every failed batch, for the metrics
         self._consecutive_failures = 0
-        self._version = engine.weights_version
+        self._version = 0  # the newest published version; the trainer publishes on resume
         self._cond = threading.Condition()
         self._stop = False
         self._error: BaseException | None = None
@@ -160,9 +108,9 @@ class Collector:
     def start(self) -> None:
         self._thread.start()
 
-    def stop(self, timeout_s: float = 60.0) -> None:
-        """Stops admitting and waits up to `timeout_s` for a batch in progress to land; one
-        still running then is abandoned (its ordinals stay in flight in the ledger)."""
+    def stop(self, timeout_s: float | None = None) -> None:
+        """Stops admitting and waits for a batch in progress to land (at most `timeout_s`, if
+        given; one still running then is abandoned, its ordinals in flight in the ledger)."""
         with self._cond:
             self._stop = True
             self._cond.notify_all()
@@ -200,19 +148,20 @@ class Collector:
                 "moved past it (the ledger and buffer disagree)"
             )
 
-    def snapshot(self) -> tuple[dict[str, Any], dict[str, Any], float]:
-        """One consistent cut of ledger and buffer; returns them and the seconds admission and
-        completion were held up while copying."""
+    @contextlib.contextmanager
+    def cut(self) -> Iterator[None]:
+        """Holds admission and completion while the block runs, so ledger, stream and buffer
+        read inside it are one consistent cut: every ordinal in exactly one place. Generation
+        itself goes on."""
         with self._cond:
-            start = time.perf_counter()
-            ledger_state = self.ledger.state_dict()
-            buffer_state = self.buffer.state_dict()
-            return ledger_state, buffer_state, time.perf_counter() - start
+            yield
 
     def _admit(self) -> list[PromptTicket]:
         with self._cond:
             while not self._stop:
-                tickets = self.ledger.admit(self._version, self.max_age_steps, self.batch_groups)
+                tickets = self.ledger.admit(
+                    self._version, self.window, self.groups_per_batch, self.end_target
+                )
                 if tickets:
                     return tickets
                 self._cond.wait(timeout=0.5)
@@ -259,7 +208,7 @@ class Collector:
         ]
         version = None
         if self.pin_versions:  # deterministic mode: target t always uses version max(0, t - A)
-            version = max(0, tickets[0].target_step - self.max_age_steps)
+            version = max(0, tickets[0].target_step - self.window)
         start = time.perf_counter()
         outputs = self.engine.generate(requests, version)
         rewards = [self.scorer(t, out) for t, out in zip(tickets, outputs, strict=True)]

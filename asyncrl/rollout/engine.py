@@ -1,28 +1,25 @@
-"""Generation engines: batched sampling behind the `GenerationEngine` protocol.
+"""The `GenerationEngine` protocol (STYLE.md rule 16), the engines' declared capabilities and
+the registry that `rollout.engine` picks from.
 
-The torch engine keeps its own copy of the policy. The trainer publishes new weights with
-`update_weights` (a copy, never blocking on generation); the engine loads the version a batch
-asks for (by default the newest) at the start of the batch, so every token of a batch comes
-from one weights version.
-
-Sampling noise comes per request from `noise_seed`: sample i of a request draws token j by
-inverting the CDF at `u[i, j]`, where `u = rand(G, max_new_tokens)` under a generator seeded
-with `noise_seed`. A request therefore samples the same tokens whatever batch it lands in
-(up to the floating-point effects of batching on the logits).
+`rollout.engine` says *which* engine samples (`torch` today), `rollout.backend` *where* it
+runs (a thread here, or Ray actors); the two are independent. An engine gets its weights from
+a `WeightSource` (`asyncrl/rollout/weight_sync.py`), never from the trainer directly.
 """
 
 from __future__ import annotations
 
-import copy
-import threading
-from dataclasses import dataclass
-from typing import Protocol
+import importlib
+from dataclasses import dataclass, fields
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
 import torch
-from transformers import PreTrainedModel
 
-from asyncrl.core.tensors import clone_state
-from asyncrl.models.policy import left_pad, position_ids
+from asyncrl.config import Config, ConfigError
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
+
+    from asyncrl.rollout.weight_sync import WeightSource
 
 
 @dataclass(frozen=True)
@@ -40,7 +37,35 @@ class GenerationOutput:
     weights_version: int
 
 
+@dataclass(frozen=True)
+class EngineCapabilities:
+    """What an engine can guarantee; a config that needs more is refused at start."""
+
+    pinned_versions: bool = False
+    """Generates a batch with a given older weights version on request, not just the newest."""
+    batch_invariant_noise: bool = False
+    """A request samples the same tokens whatever batch it lands in (bitwise)."""
+    per_request_seeds: bool = False
+    """Each request's sampling noise comes from its own seed, so a regenerated group draws the
+    same noise."""
+    continue_from_prefix: bool = False
+    """Continues a partial completion from its prefix (for partial generations)."""
+
+
+@dataclass(frozen=True)
+class EngineSpec:
+    """What every engine is built from."""
+
+    model: PreTrainedModel  # the architecture; its weights come from the WeightSource
+    eos_id: int
+    pad_id: int
+    max_new_tokens: int
+    temperature: float
+
+
 class GenerationEngine(Protocol):
+    capabilities: ClassVar[EngineCapabilities]
+
     def generate(
         self, requests: list[GenerationRequest], version: int | None = None
     ) -> list[GenerationOutput]:
@@ -48,142 +73,43 @@ class GenerationEngine(Protocol):
         else the newest published."""
         ...
 
-    def update_weights(self, state: dict[str, torch.Tensor], version: int) -> None:
-        """Publishes weights `version`; used from the next batch on. Must not block on a
-        batch in progress."""
-        ...
-
-    @property
-    def weights_version(self) -> int:
-        """The version the next batch will use."""
+    def metrics(self) -> dict[str, float]:
+        """Cumulative engine counters for the step records (may be empty)."""
         ...
 
 
-def sample_inverse_cdf(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
-    """Draws one token per row: the first index whose CDF reaches `u`. [B, V], [B] -> [B]."""
-    cdf = probs.cumsum(dim=-1)
-    threshold = (uniforms * cdf[:, -1]).unsqueeze(-1)
-    index = torch.searchsorted(cdf, threshold).squeeze(-1)
-    return index.clamp(max=probs.shape[-1] - 1)
+ENGINES: dict[str, str] = {"torch": "asyncrl.rollout.torch_engine:TorchGenerationEngine"}
+"""`rollout.engine` -> `module:Class`; each class is built as `Class(spec, weights)`."""
 
 
-class TorchGenerationEngine:
-    """Autoregressive sampling with a KV cache on a private copy of a HF causal LM.
+def engine_class(name: str) -> type[GenerationEngine]:
+    module, _, attr = ENGINES[name].partition(":")
+    cls: type[GenerationEngine] = getattr(importlib.import_module(module), attr)
+    return cls
 
-    Published weights are kept by version, the newest `max_versions` of them; `generate` uses
-    the newest unless asked for a specific version (deterministic mode pins version
-    `max(0, t - A)` for target t). The trainer's copy and this one never share memory.
-    """
 
-    def __init__(
-        self,
-        model: PreTrainedModel,
-        eos_id: int,
-        pad_id: int,
-        max_new_tokens: int,
-        temperature: float,
-        max_versions: int = 1,
-    ) -> None:
-        self._model = copy.deepcopy(model).eval()
-        self._model.requires_grad_(False)
-        self.eos_id = eos_id
-        self.pad_id = pad_id
-        self.max_new_tokens = max_new_tokens
-        self.temperature = temperature
-        self.max_versions = max_versions
-        self._lock = threading.Lock()
-        self._published: dict[int, dict[str, torch.Tensor]] = {
-            0: clone_state(self._model.state_dict())
-        }
-        self._loaded = 0  # the version the private model holds
+def build_engine(name: str, spec: EngineSpec, weights: WeightSource) -> GenerationEngine:
+    make: Any = engine_class(name)  # every engine class is built as Class(spec, weights)
+    engine: GenerationEngine = make(spec, weights)
+    return engine
 
-    @property
-    def weights_version(self) -> int:
-        with self._lock:
-            return max(self._published)
 
-    def update_weights(self, state: dict[str, torch.Tensor], version: int) -> None:
-        copied = clone_state(state)
-        with self._lock:
-            self._published[version] = copied
-            for old in sorted(self._published)[: -self.max_versions]:
-                del self._published[old]
+def required_capabilities(config: Config) -> dict[str, str]:
+    """capability -> the config setting that needs it."""
+    needs: dict[str, str] = {}
+    if config.run.deterministic:
+        for capability in ("pinned_versions", "batch_invariant_noise", "per_request_seeds"):
+            needs[capability] = "run.deterministic=true"
+    return needs
 
-    def published_versions(self) -> dict[int, dict[str, torch.Tensor]]:
-        """Every kept version's weights (deterministic checkpoints save the older ones)."""
-        with self._lock:
-            return dict(self._published)
 
-    def _load(self, version: int | None) -> int:
-        with self._lock:
-            wanted = max(self._published) if version is None else version
-            if wanted not in self._published:
-                raise RuntimeError(
-                    f"weights version {wanted} is no longer kept (have {sorted(self._published)})"
-                )
-            state = self._published[wanted]
-        if wanted != self._loaded:
-            self._model.load_state_dict(state, strict=False)
-            self._loaded = wanted
-        return wanted
-
-    @torch.inference_mode()
-    def generate(
-        self, requests: list[GenerationRequest], version: int | None = None
-    ) -> list[GenerationOutput]:
-        """Samples every request in one batch with weights `version` (default: the newest)."""
-        version = self._load(version)
-        prompts = [r.prompt_ids for r in requests for _ in range(r.num_samples)]
-        uniforms = torch.cat(
-            [
-                torch.rand(
-                    r.num_samples,
-                    self.max_new_tokens,
-                    generator=torch.Generator().manual_seed(r.noise_seed),
-                )
-                for r in requests
-            ]
-        )
-        tokens, logprobs, mask = self._sample(prompts, uniforms)
-        outputs, start = [], 0
-        for r in requests:
-            rows = slice(start, start + r.num_samples)
-            outputs.append(
-                GenerationOutput(tokens[rows], mask[rows], logprobs[rows], weights_version=version)
+def check_capabilities(config: Config, capabilities: EngineCapabilities) -> None:
+    """Refuses, at start, a config that needs a capability the engine lacks, naming both."""
+    for capability, setting in required_capabilities(config).items():
+        if not getattr(capabilities, capability):
+            doc = {f.name: f.name.replace("_", " ") for f in fields(EngineCapabilities)}
+            raise ConfigError(
+                f"{setting} needs an engine with {doc[capability]}; rollout.engine="
+                f"{config.rollout.engine} does not have it (choose another rollout.engine, or "
+                "turn the setting off)"
             )
-            start += r.num_samples
-        return outputs
-
-    def _sample(
-        self, prompts: list[list[int]], uniforms: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        input_ids, attention = left_pad(prompts, self.pad_id)
-        positions = position_ids(attention)
-        batch = len(prompts)
-        finished = torch.zeros(batch, dtype=torch.bool)
-        tokens, logprobs, masks = [], [], []
-        out = self._model(
-            input_ids=input_ids, attention_mask=attention, position_ids=positions, use_cache=True
-        )
-        for step in range(self.max_new_tokens):
-            step_logprobs = torch.log_softmax(out.logits[:, -1].float() / self.temperature, -1)
-            token = sample_inverse_cdf(step_logprobs.exp(), uniforms[:, step])
-            token = torch.where(finished, torch.full_like(token, self.pad_id), token)
-            chosen = step_logprobs.gather(-1, token.unsqueeze(-1)).squeeze(-1)
-            alive = ~finished
-            tokens.append(token)
-            logprobs.append(torch.where(alive, chosen, torch.zeros_like(chosen)))
-            masks.append(alive)
-            finished = finished | (token == self.eos_id)
-            if bool(finished.all()) or step == self.max_new_tokens - 1:
-                break
-            attention = torch.cat([attention, alive.long().unsqueeze(-1)], dim=1)
-            positions = positions[:, -1:] + 1
-            out = self._model(
-                input_ids=token.unsqueeze(-1),
-                attention_mask=attention,
-                position_ids=positions,
-                past_key_values=out.past_key_values,
-                use_cache=True,
-            )
-        return torch.stack(tokens, 1), torch.stack(logprobs, 1), torch.stack(masks, 1)

@@ -1,27 +1,31 @@
-"""Builds everything one run is made of from its config."""
+"""Builds everything one run is made of from its config: the only place that knows which
+algorithm, which engine and which backend (threads or Ray) a run uses."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
+from asyncrl.algos import algorithm_class
+from asyncrl.algos.base import Algorithm
 from asyncrl.config import Config
 from asyncrl.core.buffer import Buffer, ReplayBuffer
 from asyncrl.core.ledger import Ledger
 from asyncrl.core.stream import PromptStream
 from asyncrl.core.types import PromptTicket
-from asyncrl.models.critic import build_critic
 from asyncrl.models.policy import Policy, load_policy
-from asyncrl.rollout.collector import Collector, Scorer, encode_prompts
-from asyncrl.rollout.engine import TorchGenerationEngine
+from asyncrl.rollout.collector import Collector
+from asyncrl.rollout.engine import (
+    EngineSpec,
+    GenerationEngine,
+    build_engine,
+    check_capabilities,
+    engine_class,
+)
+from asyncrl.rollout.scorer import Scorer
+from asyncrl.rollout.weight_sync import CopyWeightSync, WeightSync
+from asyncrl.tasks.prompts import encode_prompts
 from asyncrl.tasks.source import Task, load_task
-from asyncrl.train.grpo import GRPO
-from asyncrl.train.ppo import PPO
-from asyncrl.train.update import ReferencePolicy
-
-if TYPE_CHECKING:
-    from asyncrl.distributed.ray_backend import RayEngine
 
 OnBatch = Callable[[float, float, int, list[PromptTicket]], None]
 
@@ -33,9 +37,10 @@ class Components:
     stream: PromptStream
     ledger: Ledger
     buffer: Buffer
-    engine: TorchGenerationEngine | RayEngine
+    weights: WeightSync
+    engine: GenerationEngine
     collector: Collector
-    algo: GRPO | PPO
+    algo: Algorithm
     shutdown_steps: list[Callable[[], None]] = field(default_factory=list)
 
     def shutdown(self) -> None:
@@ -54,59 +59,28 @@ class Components:
 
 def build_components(config: Config, on_batch: OnBatch | None = None) -> Components:
     rollout = config.rollout
+    check_capabilities(config, engine_class(rollout.engine).capabilities)
     task = load_task(config.data)
     policy = load_policy(config.model, config.run.seed, task.alphabet())
     prompts = encode_prompts(task, policy.tokenizer, rollout.max_new_tokens, policy.max_seq_len)
     stream = PromptStream(len(task.examples), rollout.num_prompts_per_step, config.run.seed)
     ledger = Ledger(stream)
-    # built before any checkpoint is loaded: both copy the policy's initial weights
-    reference = ReferencePolicy(policy.model) if config.algo.kl_coef > 0 else None
-    algo: GRPO | PPO
-    if config.algo.name == "ppo":
-        critic = build_critic(policy, config.model, config.run.seed)
-        algo = PPO(
-            policy.model,
-            critic,
-            config.algo,
-            rollout.temperature,
-            policy.pad_id,
-            config.run.seed,
-            reference,
-        )
-    else:
-        algo = GRPO(policy.model, config.algo, rollout.temperature, policy.pad_id, reference)
-    deterministic = config.run.deterministic
-    max_versions = rollout.max_trajectory_age_steps + 1 if deterministic else 1
-    buffer: Buffer
-    engine: TorchGenerationEngine | RayEngine
+    # built before any checkpoint is loaded: a critic or reference copies the initial weights
+    algo = algorithm_class(config.algo.name)(policy, config)
+    spec = EngineSpec(
+        policy.model, policy.eos_id, policy.pad_id, rollout.max_new_tokens, rollout.temperature
+    )
     shutdown: list[Callable[[], None]] = []
+    buffer: Buffer
+    weights: WeightSync
+    engine: GenerationEngine
     if rollout.backend == "ray":
-        from asyncrl.distributed import ray_backend  # ray is an optional extra
-
-        if ray_backend.start_ray(config):
-            shutdown.append(ray_backend.ray.shutdown)
-        try:
-            engine = ray_backend.build_ray_engine(
-                config, policy.model, policy.eos_id, policy.pad_id, max_versions
-            )
-            shutdown.insert(0, engine.shutdown)
-            buffer = ray_backend.BufferClient(
-                rollout.num_prompts_per_step, rollout.max_trajectory_age_steps
-            )
-            shutdown.insert(0, buffer.shutdown)
-        except BaseException:
-            Components.run_steps(shutdown)
-            raise
+        buffer, weights, engine = _ray_backend(config, spec, shutdown)
     else:
-        buffer = ReplayBuffer(rollout.num_prompts_per_step, rollout.max_trajectory_age_steps)
-        engine = TorchGenerationEngine(
-            policy.model,
-            policy.eos_id,
-            policy.pad_id,
-            rollout.max_new_tokens,
-            rollout.temperature,
-            max_versions=max_versions,
-        )
+        buffer = ReplayBuffer(rollout.num_prompts_per_step, rollout.buffer_capacity)
+        weights = CopyWeightSync(config.kept_weight_versions)
+        engine = build_engine(rollout.engine, spec, weights)
+    weights.publish(0, algo.policy_weights())
     collector = Collector(
         ledger=ledger,
         buffer=buffer,
@@ -114,11 +88,41 @@ def build_components(config: Config, on_batch: OnBatch | None = None) -> Compone
         prompts=prompts,
         scorer=Scorer(task, policy.tokenizer),
         num_generations=rollout.num_generations_per_prompt,
-        max_age_steps=rollout.max_trajectory_age_steps,
+        window=rollout.max_trajectory_age_steps,
         seed=config.run.seed,
-        batch_groups=rollout.groups_per_batch or rollout.num_prompts_per_step,
+        groups_per_batch=rollout.resolved_groups_per_batch,
+        end_target=config.run.max_num_steps,
         on_batch=on_batch,
-        pin_versions=deterministic,
+        pin_versions=config.run.deterministic,
         max_failures=rollout.max_generation_failures,
     )
-    return Components(policy, task, stream, ledger, buffer, engine, collector, algo, shutdown)
+    return Components(
+        policy, task, stream, ledger, buffer, weights, engine, collector, algo, shutdown
+    )
+
+
+def _ray_backend(
+    config: Config, spec: EngineSpec, shutdown: list[Callable[[], None]]
+) -> tuple[Buffer, WeightSync, GenerationEngine]:
+    """Generation workers, the weights' object store and the buffer actor on Ray; what it
+    starts is released by `shutdown` (in that list), also if building fails half-way."""
+    import ray  # an optional extra: only this backend needs it
+
+    from asyncrl.distributed.cluster import start_ray
+    from asyncrl.distributed.remote_buffer import BufferClient
+    from asyncrl.distributed.weights import ObjectStoreWeightSync
+    from asyncrl.distributed.worker import build_ray_engine
+
+    if start_ray(config):
+        shutdown.append(ray.shutdown)
+    try:
+        weights = ObjectStoreWeightSync(config.kept_weight_versions)
+        engine = build_ray_engine(config, spec, weights)
+        shutdown.insert(0, engine.shutdown)
+        rollout = config.rollout
+        buffer = BufferClient(rollout.num_prompts_per_step, rollout.buffer_capacity)
+        shutdown.insert(0, buffer.shutdown)
+    except BaseException:
+        Components.run_steps(shutdown)
+        raise
+    return buffer, weights, engine

@@ -5,11 +5,14 @@ Each line is flushed when written, so a killed run leaves every completed record
 
 from __future__ import annotations
 
+import hashlib
 import json
 import threading
 import time
 from pathlib import Path
 from typing import Any, Protocol
+
+from asyncrl.core.types import Group
 
 
 class MetricsSink(Protocol):
@@ -81,3 +84,80 @@ def latest_records(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
     resume appears again with a higher attempt), ordered by step."""
     by_step = {r["step"]: r for r in records}
     return [by_step[s] for s in sorted(by_step)]
+
+
+_UNIX_OFFSET_S = time.time() - time.perf_counter()
+
+
+def unix_time(perf_s: float) -> float:
+    """The wall-clock time of a `time.perf_counter()` reading, through one offset fixed per
+    process: spans of one launch keep perf_counter's exact order (no jitter from reading two
+    clocks per span), and spans of different launches share the Unix clock."""
+    return perf_s + _UNIX_OFFSET_S
+
+
+def tokens_digest(groups: list[Group]) -> str:
+    """SHA-256 (first 16 hex digits) of the step's sampled tokens, in ordinal order: equal
+    digests mean the same completions were trained."""
+    digest = hashlib.sha256()
+    for group in groups:
+        digest.update(group.completion_ids.numpy().tobytes())
+        digest.update(group.completion_mask.numpy().tobytes())
+    return digest.hexdigest()[:16]
+
+
+def step_record(
+    step: int, attempt: int, groups: list[Group], metrics: dict[str, float]
+) -> dict[str, Any]:
+    """The `metrics.jsonl` record of a trained step (DESIGN.md's contract fields first; the
+    trainer adds timing, buffer and engine fields): `metrics` are the algorithm's, with
+    `loss` and `reward_mean` among them."""
+    rest = dict(metrics)
+    return {
+        "step": step,
+        "attempt": attempt,
+        "prompt_ordinals": [g.ordinal for g in groups],
+        "dataset_indices": [g.ticket.dataset_index for g in groups],
+        "reward_mean": rest.pop("reward_mean"),
+        "loss": rest.pop("loss"),
+        "generation_version_min": min(g.version_min for g in groups),
+        "generation_version_max": max(g.version_max for g in groups),
+        "generation_s": sum(g.generation_s for g in groups),
+        "tokens_sha256": tokens_digest(groups),
+        **rest,
+    }
+
+
+class RunLogs:
+    """The run's append-only logs: `events.jsonl`, `metrics.jsonl` (plus TensorBoard if asked
+    for) and `timeline.jsonl`. Opened together, closed together (also when a launch fails
+    before training starts)."""
+
+    def __init__(self, run_dir: Path, tensorboard: bool) -> None:
+        opened: list[JsonlLog | TensorBoardSink] = []
+        try:
+            self.events = EventLog(run_dir / "events.jsonl")
+            opened.append(self.events)
+            self.metrics = JsonlLog(run_dir / "metrics.jsonl")
+            opened.append(self.metrics)
+            self.timeline = JsonlLog(run_dir / "timeline.jsonl")
+            opened.append(self.timeline)
+            self.sinks: list[MetricsSink] = [self.metrics]
+            if tensorboard:
+                board = TensorBoardSink(run_dir / "tensorboard")
+                opened.append(board)
+                self.sinks.append(board)
+        except BaseException:
+            for log in opened:
+                log.close()
+            raise
+
+    def write_step(self, record: dict[str, Any]) -> None:
+        for sink in self.sinks:
+            sink.write(record)
+
+    def close(self) -> None:
+        for sink in self.sinks[1:]:
+            sink.close()
+        for log in (self.metrics, self.events, self.timeline):
+            log.close()

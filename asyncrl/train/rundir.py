@@ -16,7 +16,7 @@ from typing import IO
 
 from asyncrl.checkpoint.snapshot import FILES, Snapshot, check_cut, decode
 from asyncrl.checkpoint.store import CheckpointStore, Verified
-from asyncrl.config import Config, dump_config, semantic_differences
+from asyncrl.config import Config, dump_config, resume_rule, semantic_differences
 from asyncrl.train.records import read_jsonl
 
 
@@ -69,11 +69,6 @@ def _write_run_json(path: Path, run_id: str) -> None:
     os.rename(tmp, path / "run.json")
 
 
-UNFORCEABLE = ("model.", "rollout.num_prompts_per_step", "rollout.max_trajectory_age_steps")
-"""Keys whose change makes a checkpoint unloadable (weights shapes, buffer layout): never
-overridden, not even by --force-config."""
-
-
 def open_run_dir(
     path: Path, config: Config, restart: bool = False, force_config: bool = False
 ) -> RunDir:
@@ -111,13 +106,13 @@ def _find_checkpoint(run: RunDir, config: Config, restart: bool, force_config: b
         snapshot = decode(verified)
         saved = snapshot.config["rollout"]  # judged by its own config, not the new one
         n = int(saved["num_prompts_per_step"])
-        check_cut(snapshot, n, (int(saved["max_trajectory_age_steps"]) + 1) * n)
+        check_cut(snapshot.parts, n, (int(saved["max_trajectory_age_steps"]) + 1) * n)
         run.snapshot = snapshot
 
     run.latest, run.rejected = run.store.latest(check=load)
     if run.latest is not None and run.snapshot is not None:
         differences = semantic_differences(run.snapshot.config, config)
-        hard = [d for d in differences if d.startswith(UNFORCEABLE)]
+        hard = [d for d in differences if resume_rule(d.split(":")[0]) == "never"]
         if differences and (hard or not force_config):
             hint = (
                 f"{', '.join(d.split(':')[0] for d in hard)} can never change in a run: "

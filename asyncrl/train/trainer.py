@@ -4,7 +4,7 @@
     ----------------                          ---------------------
     admit target k//N <= v + A  ─┐            for t in steps:
     generate with version v      │              groups = buffer.sample(t)   # waits for all N
-    score, buffer.add(group) ────┼──────────▶   GRPO step on groups
+    score, buffer.add(group) ────┼──────────▶   algorithm.step(groups, t)
     wait if nothing admissible ◀─┴── v=t+1 ──   publish weights version t+1 to the engine
                                                 every save_period steps: checkpoint
 
@@ -15,15 +15,14 @@ group trained at step t was generated with a weights version v in [t - A, t], A 
 version t is published, so generation and training alternate: exactly synchronous training.
 
 Checkpoints are taken between steps: the trainer owns the weights and optimizer there, and
-the collector's lock gives one consistent cut of ledger and buffer (generation keeps running;
-only admission and completion wait while the cut is copied).
+the collector's lock gives one consistent cut of ledger, stream and buffer (generation keeps
+running; only admission and completion wait while the cut is read). A checkpoint is the dict
+of named stateful parts of `stateful_parts()`; the trainer names no algorithm and no engine.
 """
 
 from __future__ import annotations
 
 import contextlib
-import copy
-import hashlib
 import os
 import time
 from pathlib import Path
@@ -33,32 +32,41 @@ import torch
 import transformers
 from tqdm import tqdm
 
-from asyncrl.checkpoint.snapshot import Snapshot, capture_rng, restore_rng
+from asyncrl.checkpoint.snapshot import RNGState, Snapshot, Stateful, stage
 from asyncrl.checkpoint.store import CheckpointError
 from asyncrl.checkpoint.writer import CheckpointWriter
 from asyncrl.config import Config, benign_differences, config_hash
-from asyncrl.core.resume import ResumePlan, SavedLedger, plan_resume
-from asyncrl.core.tensors import clone_state
-from asyncrl.core.types import Group, PromptTicket
+from asyncrl.core.resume import ResumePlan, plan_resume
+from asyncrl.core.types import PromptTicket
 from asyncrl.faults import fault_point
-from asyncrl.plots import write_plots
 from asyncrl.rollout.collector import GenerationFailed
 from asyncrl.train.components import build_components
 from asyncrl.train.records import (
-    EventLog,
-    JsonlLog,
-    MetricsSink,
-    TensorBoardSink,
+    RunLogs,
     latest_records,
     read_jsonl,
+    step_record,
+    unix_time,
 )
-from asyncrl.train.report import plot_reward_curve, summarize
+from asyncrl.train.report import end_of_run_report
 from asyncrl.train.rundir import RunDir, open_run_dir
 from asyncrl.train.signals import Preempted, StopRequest
 
 SKIP_RESTORE = frozenset(filter(None, os.environ.get("ASYNCRL_TEST_SKIP_RESTORE", "").split(",")))
-"""Test-only: pieces of state a resume deliberately does not restore (`optimizer`, `rng`,
-`cursor`, `buffer`, `critic`), so the determinism tests can prove they would notice. Read once."""
+"""Test-only: pieces of state a resume deliberately does not restore, so the determinism tests
+can prove they would notice: a part (`rng`, `buffer`), `PART.KEY` of a part's state (kept at
+its freshly built value), or an alias below. Read once."""
+SKIP_ALIASES = {
+    "optimizer": ("algorithm.optimizer",),
+    "critic": ("algorithm.critic", "algorithm.critic_optimizer"),
+    "cursor": ("stream", "ledger"),
+}
+
+
+def _skipped(name: str) -> set[str]:
+    """The keys of part `name` a resume must not restore (`"*"`: the whole part)."""
+    pieces = {p for s in SKIP_RESTORE for p in SKIP_ALIASES.get(s, (s,))}
+    return {"*" if p == name else p.partition(".")[2] for p in pieces if p.split(".")[0] == name}
 
 
 class Trainer:
@@ -73,13 +81,13 @@ class Trainer:
         if config.run.torch_threads:
             torch.set_num_threads(config.run.torch_threads)
         torch.use_deterministic_algorithms(config.run.deterministic)  # process-wide: set both ways
-        self.events = EventLog(self.run_dir / "events.jsonl")
-        self.metrics = JsonlLog(self.run_dir / "metrics.jsonl")
-        self.timeline = JsonlLog(self.run_dir / "timeline.jsonl")
-        self.sinks: list[MetricsSink] = [self.metrics]
-        if config.logging.tensorboard:
-            self.sinks.append(TensorBoardSink(self.run_dir / "tensorboard"))
-        self.parts = build_components(config, self._on_batch)
+        self.logs = RunLogs(self.run_dir, config.logging.tensorboard)
+        try:
+            self.parts = build_components(config, self._on_batch)
+        except BaseException:
+            self.logs.close()  # nothing of a launch that never started stays open
+            raise
+        self.rng = RNGState()
         self.step = 0
         self.attempt = run.attempt
         self.last_saved_step = -1
@@ -88,84 +96,73 @@ class Trainer:
             run.store,
             config_hash(config),
             config.checkpoint.keep_last,
-            lambda fields: self.events.emit("checkpoint", **fields),
+            lambda fields: self.logs.events.emit("checkpoint", **fields),
         )
 
     # --- state ----------------------------------------------------------------------------
 
-    def state_dict(self) -> tuple[Snapshot, float]:
-        """The run's consistent cut, and how long generation's bookkeeping was held for it."""
-        ledger, buffer, pause_s = self.parts.collector.snapshot()
-        snapshot = Snapshot(
-            trainer={
-                "step": self.step,
-                "weights_version": self.step,
-                "attempt": self.attempt,
-                "run_id": self.run.run_id,
-            },
-            model=self.parts.policy.model.state_dict(),
-            optimizer=self.parts.algo.optimizer.state_dict(),
-            ledger=ledger,
-            buffer=buffer,
-            rng=capture_rng(),
-            config=self.config.to_dict(),
-        )
-        algo = self.parts.algo
-        if algo.critic is not None and algo.critic_optimizer is not None:
-            snapshot.critic = algo.critic.state_dict()
-            snapshot.critic_optimizer = algo.critic_optimizer.state_dict()
-        if algo.reference is not None:
-            snapshot.trainer["reference_sha256"] = algo.reference.sha256
-        if self.config.run.deterministic:  # versions older than `step` still to generate with
-            published = self.parts.engine.published_versions()
-            snapshot.generation = {v: w for v, w in published.items() if v < self.step}
-        return snapshot, pause_s
+    def stateful_parts(self) -> dict[str, Stateful]:
+        """Everything a resume must get back, by name: the checkpoint is these parts' states.
+        Loaded in this order."""
+        p = self.parts
+        return {
+            "trainer": self,
+            "model": p.policy.model,
+            "algorithm": p.algo,
+            "rng": self.rng,
+            "stream": p.stream,
+            "ledger": p.ledger,
+            "buffer": p.buffer,
+            "generation": p.weights,
+        }
 
-    def load_state_dict(self, snapshot: Snapshot) -> ResumePlan:
-        """Restores a snapshot and applies `checkpoint.resume_policy`; returns the plan."""
-        skip = SKIP_RESTORE  # test-only negative controls; empty in real use
-        self.parts.policy.model.load_state_dict(snapshot.model)
-        algo = self.parts.algo
-        if "optimizer" not in skip:
-            algo.optimizer.load_state_dict(snapshot.optimizer)
-        if algo.critic is not None and algo.critic_optimizer is not None and "critic" not in skip:
-            if not snapshot.critic or not snapshot.critic_optimizer:
-                raise CheckpointError(
-                    f"the checkpoint of step {snapshot.trainer['step']} has no critic (it was "
-                    "written by a run without one); algo.name cannot change on resume"
-                )
-            algo.critic.load_state_dict(snapshot.critic)
-            algo.critic_optimizer.load_state_dict(snapshot.critic_optimizer)
-        saved_reference = snapshot.trainer.get("reference_sha256")
-        if algo.reference is not None and saved_reference != algo.reference.sha256:
-            raise CheckpointError(
-                f"the reference policy rebuilt from the config (weights sha256 "
-                f"{algo.reference.sha256}) is not the one step {snapshot.trainer['step']} was "
-                f"trained against ({saved_reference}); did the files under model.path change?"
-            )
-        if "rng" not in skip:
-            restore_rng(snapshot.rng)
-        self.step = int(snapshot.trainer["step"])
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "step": self.step,
+            "weights_version": self.step,
+            "attempt": self.attempt,
+            "run_id": self.run.run_id,
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.step = int(state["step"])
         self.last_saved_step = self.step
+
+    def capture(self) -> tuple[Snapshot, float]:
+        """The run's consistent cut as a private copy, and how long generation's bookkeeping
+        was held for it (only while the parts' states are read)."""
+        parts = self.stateful_parts()
+        with self.parts.collector.cut():
+            start = time.perf_counter()
+            states = {name: part.state_dict() for name, part in parts.items()}
+            pause_s = time.perf_counter() - start
+        staged = {name: stage(state) for name, state in states.items()}  # the next step
+        return Snapshot(staged, self.config.to_dict()), pause_s  # updates them in place
+
+    def restore(self, snapshot: Snapshot) -> ResumePlan:
+        """Loads every part, then applies `checkpoint.resume_policy`; returns the plan."""
+        parts = self.stateful_parts()
+        missing = sorted(set(parts) - set(snapshot.parts))
+        if missing:
+            raise CheckpointError(
+                f"the checkpoint of step {snapshot.step} has no {', '.join(missing)} part"
+            )
+        for name, part in parts.items():
+            state, skip = snapshot.parts[name], _skipped(name)  # skip: empty in real use
+            if "*" in skip:
+                continue
+            if skip:
+                fresh = part.state_dict()
+                state = {k: fresh[k] if k in skip else v for k, v in state.items()}
+            try:
+                part.load_state_dict(state)
+            except CheckpointError as err:
+                raise CheckpointError(f"the checkpoint of step {snapshot.step}: {err}") from None
         ledger, buffer = self.parts.ledger, self.parts.buffer
-        if "cursor" not in skip:
-            ledger.load_state_dict(snapshot.ledger)
-        if "buffer" not in skip:
-            buffer.load_state_dict(snapshot.buffer)
-        for version in sorted(snapshot.generation):
-            self.parts.engine.update_weights(snapshot.generation[version], version)
-        saved = SavedLedger(
-            step=self.step,
-            num_prompts_per_step=self.config.rollout.num_prompts_per_step,
-            cursor=ledger.stream.cursor,
-            in_flight=[(t.ordinal, t.target_step) for t in ledger.redispatch],
-            buffered=buffer.ordinals_and_targets(),
-        )
+        saved = ledger.saved(self.step, buffer.ordinals_and_targets())
         plan = plan_resume(saved, self.config.checkpoint.resume_policy)
-        if plan.policy != "lossless":
-            ledger.redispatch.clear()
-            buffer.discard(plan.discarded)
-            ledger.stream.schedule.refill(saved.cursor, plan.fills, plan.next_target)
+        ledger.apply(plan)
+        buffer.discard(plan.discarded)
         self._publish_weights(self.step)
         return plan
 
@@ -179,15 +176,16 @@ class Trainer:
             )
             print(f"asyncrl: falling back to {fallback}")
         snapshot = self.run.snapshot
+        self.run.snapshot = None  # not kept referenced for the rest of the run
         if snapshot is None:
             if self.attempt:
                 print(f"asyncrl: no verified checkpoint; from step 0 (attempt {self.attempt})")
             return
-        cursor = int(snapshot.ledger["stream"]["cursor"])
-        plan = self.load_state_dict(snapshot)
+        cursor = int(snapshot.parts["stream"]["cursor"])
+        plan = self.restore(snapshot)
         for line in plan.messages:
             print(line)
-        self.events.emit(
+        self.logs.events.emit(
             "resume",
             attempt=self.attempt,
             from_step=self.step,
@@ -215,7 +213,7 @@ class Trainer:
         """Trains to `run.max_num_steps`; returns the end-of-run summary. Raises `Preempted`
         after writing a checkpoint if a stop signal arrived."""
         self.resume()
-        self.events.emit(
+        self.logs.events.emit(
             "start",
             attempt=self.attempt,
             from_step=self.step,
@@ -255,7 +253,7 @@ class Trainer:
                 self.checkpoint(wait=True)
             raise
         finally:
-            self.parts.collector.stop(timeout_s=1.0)  # a batch still running is not waited for
+            self.parts.collector.stop()  # after the emergency checkpoint: waits out one batch
             progress.close()
         return self.finish()
 
@@ -268,7 +266,7 @@ class Trainer:
     def _on_preempted(self, stop: Preempted) -> None:
         """The emergency checkpoint, first: the cut needs no pause of generation, and a
         preempted machine's grace period is short."""
-        self.events.emit("signal", signal=stop.signal_name, step=self.step)
+        self.logs.events.emit("signal", signal=stop.signal_name, step=self.step)
         try:
             self.writer.wait()
         except CheckpointError as err:  # an earlier periodic save failed: still try this one
@@ -296,7 +294,7 @@ class Trainer:
         algo_metrics = self.parts.algo.step(groups, step)
         fault_point("train.optimizer_step")
         trained = time.perf_counter()
-        self.timeline.write(
+        self.logs.timeline.write(
             {
                 "kind": "train",
                 "start": unix_time(train_start),
@@ -307,14 +305,17 @@ class Trainer:
         )
         self._publish_weights(step + 1)
         fault_point("train.weights_published")
-        record = self._record(step, groups, algo_metrics)
+        record = step_record(step, self.attempt, groups, algo_metrics)
         record.update(
+            wall_s=time.perf_counter() - self._start_s,
+            buffer_groups=len(self.parts.buffer),
+            generation_failures=self.parts.collector.num_failures,
+            **self.parts.engine.metrics(),
             wait_s=train_start - wait_start,
             train_s=trained - train_start,
             sync_s=time.perf_counter() - trained,
         )
-        for sink in self.sinks:
-            sink.write(record)
+        self.logs.write_step(record)
         self.step = step + 1
         return record
 
@@ -322,16 +323,12 @@ class Trainer:
         """Copies the current step's state and hands it to the background writer, which
         writes, verifies and retains; `wait=True` also blocks until that is done."""
         start = time.perf_counter()
-        snapshot, pause_s = self.state_dict()
-        snapshot.model = clone_state(snapshot.model)
-        snapshot.optimizer = copy.deepcopy(snapshot.optimizer)
-        snapshot.critic = clone_state(snapshot.critic)  # the next step updates them in place
-        snapshot.critic_optimizer = copy.deepcopy(snapshot.critic_optimizer)
+        snapshot, pause_s = self.capture()
         info = {
             "blocked_s": time.perf_counter() - start,
             "pause_s": pause_s,
-            "in_flight": len(snapshot.ledger["in_flight"]),
-            "buffered": len(snapshot.buffer["groups"]),
+            "in_flight": len(snapshot.parts["ledger"]["in_flight"]),
+            "buffered": len(snapshot.parts["buffer"]["groups"]),
         }
         self.writer.submit(self.step, snapshot, info)
         self.last_saved_step = self.step
@@ -339,13 +336,13 @@ class Trainer:
             self.writer.wait()
 
     def _publish_weights(self, version: int) -> None:
-        self.parts.engine.update_weights(self.parts.policy.model.state_dict(), version)
+        self.parts.weights.publish(version, self.parts.algo.policy_weights())
         self.parts.collector.publish_version(version)
 
     def _on_batch(
         self, start: float, elapsed: float, version: int, tickets: list[PromptTicket]
     ) -> None:
-        self.timeline.write(
+        self.logs.timeline.write(
             {
                 "kind": "generate",
                 "start": unix_time(start),
@@ -356,37 +353,6 @@ class Trainer:
                 "targets": [t.target_step for t in tickets],
             }
         )
-
-    def _record(self, step: int, groups: list[Group], algo: dict[str, float]) -> dict[str, Any]:
-        return {
-            "step": step,
-            "attempt": self.attempt,
-            "prompt_ordinals": [g.ordinal for g in groups],
-            "dataset_indices": [g.ticket.dataset_index for g in groups],
-            "reward_mean": algo.pop("reward_mean"),
-            "loss": algo.pop("loss"),
-            "generation_version_min": min(g.version_min for g in groups),
-            "generation_version_max": max(g.version_max for g in groups),
-            "wall_s": time.perf_counter() - self._start_s,
-            "generation_s": sum(g.generation_s for g in groups),
-            "tokens_sha256": tokens_digest(groups),
-            "buffer_groups": len(self.parts.buffer),
-            "generation_failures": self.parts.collector.num_failures,
-            **self._engine_record(),
-            **algo,
-        }
-
-    def _engine_record(self) -> dict[str, Any]:
-        """Ray backend: cumulative seconds workers spent fetching and loading weights, and
-        workers replaced after dying."""
-        engine = self.parts.engine
-        load_s = getattr(engine, "load_s", None)
-        if load_s is None:
-            return {}
-        return {
-            "weights_load_s": load_s,
-            "workers_replaced": getattr(engine, "workers_replaced", 0),
-        }
 
     def _postfix(self, record: dict[str, Any]) -> str:
         capacity = self.parts.buffer.capacity
@@ -401,39 +367,12 @@ class Trainer:
         transformers.utils.logging.disable_progress_bar()
         self.parts.policy.model.save_pretrained(self.run_dir / "final_model")
         self.parts.policy.tokenizer.save_pretrained(self.run_dir / "final_model")
-        self.events.emit("end", step=self.step, wall_s=wall_s)
+        self.logs.events.emit("end", step=self.step, wall_s=wall_s)
         self.close()
-        records = latest_records(read_jsonl(self.run_dir / "metrics.jsonl"))
-        if self.config.logging.plot and records:
-            plot_reward_curve(records, self.run_dir / "reward_curve.png")
-            write_plots(self.run_dir)
-        return summarize(records, self.run_dir, records[-1]["wall_s"] if records else wall_s)
+        return end_of_run_report(self.run_dir, self.config.logging.plot, wall_s)
 
     def close(self) -> None:
-        for sink in self.sinks[1:]:
-            sink.close()
-        for log in (self.metrics, self.events, self.timeline):
-            log.close()
-
-
-_UNIX_OFFSET_S = time.time() - time.perf_counter()
-
-
-def unix_time(perf_s: float) -> float:
-    """The wall-clock time of a `time.perf_counter()` reading, through one offset fixed per
-    process: spans of one launch keep perf_counter's exact order (no jitter from reading two
-    clocks per span), and spans of different launches share the Unix clock."""
-    return perf_s + _UNIX_OFFSET_S
-
-
-def tokens_digest(groups: list[Group]) -> str:
-    """SHA-256 (first 16 hex digits) of the step's sampled tokens, in ordinal order: equal
-    digests mean the same completions were trained."""
-    digest = hashlib.sha256()
-    for group in groups:
-        digest.update(group.completion_ids.numpy().tobytes())
-        digest.update(group.completion_mask.numpy().tobytes())
-    return digest.hexdigest()[:16]
+        self.logs.close()
 
 
 def train(

@@ -1,0 +1,89 @@
+"""The one seam between the training loop and an RL algorithm (STYLE.md rule 13).
+
+The trainer never branches on the algorithm: it builds the class the registry names for
+`algo.name` (`asyncrl/algos/__init__.py`), calls `step(groups, step)` once per training step,
+publishes `policy_weights()` to generation, and checkpoints `state_dict()` as the
+`algorithm` part. Everything an algorithm owns — its optimizers, a critic, the hash of its
+reference policy — lives inside that state; the trainer knows none of it.
+
+An algorithm's own config keys are a dataclass, `Options`, next to it in its file: they are
+`algo.KEY` like the shared keys (`AlgoConfig`), and setting one under another `algo.name` is
+refused naming the algorithm it belongs to.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol
+
+import torch
+
+from asyncrl.checkpoint.store import CheckpointError
+from asyncrl.core.types import Group
+
+if TYPE_CHECKING:
+    from asyncrl.config import Config
+    from asyncrl.models.policy import Policy
+
+
+@dataclass
+class NoOptions:
+    """An algorithm without keys of its own."""
+
+    def validate(self, config: Config) -> None:
+        return None
+
+
+class Algorithm(Protocol):
+    name: ClassVar[str]
+    """Its `algo.name`."""
+    Options: ClassVar[type]
+    """Dataclass of its own `algo.*` keys (`NoOptions` if none); each field's docstring is its
+    documentation, as for every config key."""
+
+    def __init__(self, policy: Policy, config: Config) -> None:
+        """Built before any checkpoint is loaded, from the policy's *initial* weights (a
+        reference policy or a critic copies them)."""
+        ...
+
+    def step(self, groups: list[Group], step: int) -> dict[str, float]:
+        """One training step on the step's N groups (ordered by ordinal); returns its metrics,
+        `loss` and `reward_mean` among them. Raises `NonFiniteLoss` before changing a weight
+        if the loss or a gradient is not finite."""
+        ...
+
+    def policy_weights(self) -> dict[str, torch.Tensor]:
+        """The policy's weights to publish to generation (live tensors; the weight sync
+        copies them)."""
+        ...
+
+    def state_dict(self) -> dict[str, Any]:
+        """All the algorithm must get back on resume, as live references (the checkpointer
+        copies them): tensors, and JSON-able values."""
+        ...
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restores `state_dict()`; raises `CheckpointError` if it was written by another
+        algorithm or does not fit this one (a missing critic, another reference policy)."""
+        ...
+
+
+def check_written_by(state: dict[str, Any], name: str) -> None:
+    """Refuses an algorithm state written by another algorithm, naming both."""
+    if state.get("name") != name:
+        raise CheckpointError(
+            f"the checkpoint was written by algo.name={state.get('name')!r}, not {name!r}; "
+            "algo.name cannot change on resume"
+        )
+
+
+def check_reference(state: dict[str, Any], sha256: str | None) -> None:
+    """Refuses to resume against a reference policy other than the one the run trained
+    against (it is rebuilt from the config, not saved)."""
+    saved = state.get("reference_sha256")
+    if sha256 is not None and saved != sha256:
+        raise CheckpointError(
+            f"the reference policy rebuilt from the config (weights sha256 {sha256}) is not "
+            f"the one the checkpoint was trained against ({saved}); did the files under "
+            "model.path change?"
+        )

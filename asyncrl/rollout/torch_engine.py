@@ -1,0 +1,129 @@
+"""asyncrl's own generation engine (`rollout.engine=torch`): batched sampling with a KV cache
+on a private copy of a Hugging Face causal LM.
+
+The engine loads the version a batch asks for (by default the newest published) from its
+`WeightSource` at the start of the batch, so every token of a batch comes from one weights
+version. Sampling noise comes per request from `noise_seed`: sample i of a request draws token
+j by inverting the CDF at `u[i, j]`, where `u = rand(G, max_new_tokens)` under a generator
+seeded with `noise_seed`. A request therefore samples the same tokens whatever batch it lands
+in (up to the floating-point effects of batching on the logits).
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import ClassVar
+
+import torch
+
+from asyncrl.models.policy import left_pad, position_ids
+from asyncrl.rollout.engine import (
+    EngineCapabilities,
+    EngineSpec,
+    GenerationOutput,
+    GenerationRequest,
+)
+from asyncrl.rollout.weight_sync import WeightSource
+
+
+def sample_inverse_cdf(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
+    """Draws one token per row: the first index whose CDF reaches `u`. [B, V], [B] -> [B]."""
+    cdf = probs.cumsum(dim=-1)
+    threshold = (uniforms * cdf[:, -1]).unsqueeze(-1)
+    index = torch.searchsorted(cdf, threshold).squeeze(-1)
+    return index.clamp(max=probs.shape[-1] - 1)
+
+
+class TorchGenerationEngine:
+    """Autoregressive sampling with a KV cache on a private copy of the model; the trainer's
+    copy and this one never share memory. Weights are loaded strictly: a key mismatch between
+    what is published and the model is an error, never silently skipped."""
+
+    capabilities: ClassVar[EngineCapabilities] = EngineCapabilities(
+        pinned_versions=True, batch_invariant_noise=True, per_request_seeds=True
+    )
+
+    def __init__(self, spec: EngineSpec, weights: WeightSource) -> None:
+        self._model = copy.deepcopy(spec.model).eval()
+        self._model.requires_grad_(False)
+        self.eos_id = spec.eos_id
+        self.pad_id = spec.pad_id
+        self.max_new_tokens = spec.max_new_tokens
+        self.temperature = spec.temperature
+        self.weights = weights
+        self._loaded: int | None = None  # the version the private model holds
+
+    def metrics(self) -> dict[str, float]:
+        return {}
+
+    def _load(self, version: int | None) -> int:
+        wanted = self.weights.newest() if version is None else version
+        if wanted != self._loaded:
+            try:
+                state = self.weights.get(wanted)
+            except KeyError as err:
+                raise RuntimeError(err.args[0]) from None
+            self._model.load_state_dict(state, strict=True)
+            self._loaded = wanted
+        return wanted
+
+    @torch.inference_mode()
+    def generate(
+        self, requests: list[GenerationRequest], version: int | None = None
+    ) -> list[GenerationOutput]:
+        """Samples every request in one batch with weights `version` (default: the newest)."""
+        version = self._load(version)
+        prompts = [r.prompt_ids for r in requests for _ in range(r.num_samples)]
+        uniforms = torch.cat(
+            [
+                torch.rand(
+                    r.num_samples,
+                    self.max_new_tokens,
+                    generator=torch.Generator().manual_seed(r.noise_seed),
+                )
+                for r in requests
+            ]
+        )
+        tokens, logprobs, mask = self._sample(prompts, uniforms)
+        outputs, start = [], 0
+        for r in requests:
+            rows = slice(start, start + r.num_samples)
+            outputs.append(
+                GenerationOutput(tokens[rows], mask[rows], logprobs[rows], weights_version=version)
+            )
+            start += r.num_samples
+        return outputs
+
+    def _sample(
+        self, prompts: list[list[int]], uniforms: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        input_ids, attention = left_pad(prompts, self.pad_id)
+        positions = position_ids(attention)
+        batch = len(prompts)
+        finished = torch.zeros(batch, dtype=torch.bool)
+        tokens, logprobs, masks = [], [], []
+        out = self._model(
+            input_ids=input_ids, attention_mask=attention, position_ids=positions, use_cache=True
+        )
+        for step in range(self.max_new_tokens):
+            step_logprobs = torch.log_softmax(out.logits[:, -1].float() / self.temperature, -1)
+            token = sample_inverse_cdf(step_logprobs.exp(), uniforms[:, step])
+            token = torch.where(finished, torch.full_like(token, self.pad_id), token)
+            chosen = step_logprobs.gather(-1, token.unsqueeze(-1)).squeeze(-1)
+            alive = ~finished
+            tokens.append(token)
+            logprobs.append(torch.where(alive, chosen, torch.zeros_like(chosen)))
+            masks.append(alive)
+            finished = finished | (token == self.eos_id)
+            if bool(finished.all()) or step == self.max_new_tokens - 1:
+                break
+            attention = torch.cat([attention, alive.long().unsqueeze(-1)], dim=1)
+            positions = positions[:, -1:] + 1
+            out = self._model(
+                input_ids=token.unsqueeze(-1),
+                attention_mask=attention,
+                position_ids=positions,
+                past_key_values=out.past_key_values,
+                use_cache=True,
+            )
+        return torch.stack(tokens, 1), torch.stack(logprobs, 1), torch.stack(masks, 1)

@@ -1,0 +1,117 @@
+"""The `WeightSync` seam: how the trainer's new weights reach generation.
+
+    Trainer ── publish(version, weights) ─▶ WeightSync ─▶ get(version) ── engine, at its next batch
+
+The sync is picked with the backend: `CopyWeightSync` for `backend=threads` (a private copy in
+this process), `asyncrl.distributed.weights.ObjectStoreWeightSync` for `backend=ray` (one
+`ray.put` per version, fetched by each worker); NCCL or CUDA-IPC transfers fit behind the
+same two calls. A sync keeps the newest `max_versions` versions (deterministic mode pins
+target t to version max(0, t-A), so it keeps A+1) and is a stateful checkpoint part: its state
+is every kept version older than the newest, which a resumed deterministic run still has to
+generate with (the newest is the trainer's own weights, published again after a resume).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Mapping
+from typing import Any, Protocol
+
+import torch
+
+from asyncrl.core.tensors import clone_state
+
+
+class WeightSource(Protocol):
+    """The engine's side of a weight sync."""
+
+    def newest(self) -> int:
+        """The newest published version."""
+        ...
+
+    def get(self, version: int) -> Any:
+        """Weights `version` in the form the engine loads (a state dict here; an object
+        reference on Ray). Raises `KeyError` naming the kept versions if it is gone."""
+        ...
+
+
+class WeightSync(WeightSource, Protocol):
+    def publish(self, version: int, weights: Mapping[str, torch.Tensor]) -> None:
+        """Makes `version` available to generation from its next batch on. Never blocks on a
+        batch in progress; `weights` are live tensors the sync must not keep references to."""
+        ...
+
+    def state_dict(self) -> dict[str, Any]: ...
+
+    def load_state_dict(self, state: dict[str, Any]) -> None: ...
+
+
+class KeptVersions:
+    """The newest `max_versions` published versions, thread-safe; the bookkeeping every sync
+    shares. `entry` is whatever the sync hands the engine; `weights` the tensors a checkpoint
+    saves (empty when only one version is kept: then nothing older is ever saved)."""
+
+    def __init__(self, max_versions: int) -> None:
+        self.max_versions = max_versions
+        self._lock = threading.Lock()
+        self._entries: dict[int, Any] = {}
+        self._weights: dict[int, dict[str, torch.Tensor]] = {}
+
+    def put(self, version: int, entry: Any, weights: dict[str, torch.Tensor]) -> None:
+        with self._lock:
+            self._entries[version] = entry
+            self._weights[version] = weights
+            for old in sorted(self._entries)[: -self.max_versions]:
+                del self._entries[old]
+                del self._weights[old]
+
+    def newest(self) -> int:
+        with self._lock:
+            return max(self._entries)
+
+    def get(self, version: int) -> Any:
+        with self._lock:
+            if version not in self._entries:
+                raise KeyError(
+                    f"weights version {version} is no longer kept (have {sorted(self._entries)})"
+                )
+            return self._entries[version]
+
+    def state_dict(self) -> dict[str, Any]:
+        """Every kept version older than the newest: `{"versions": {version: weights}}`."""
+        with self._lock:
+            newest = max(self._entries, default=-1)
+            return {"versions": {v: w for v, w in self._weights.items() if v < newest}}
+
+
+class CopyWeightSync:
+    """`backend=threads`: each version is a private copy (tied tensors stay tied) that the
+    engine in this process loads."""
+
+    def __init__(self, max_versions: int = 1) -> None:
+        self._kept = KeptVersions(max_versions)
+
+    def publish(self, version: int, weights: Mapping[str, torch.Tensor]) -> None:
+        copied = clone_state(dict(weights))
+        self._kept.put(version, copied, copied if self._kept.max_versions > 1 else {})
+
+    def newest(self) -> int:
+        return self._kept.newest()
+
+    def get(self, version: int) -> dict[str, torch.Tensor]:
+        weights: dict[str, torch.Tensor] = self._kept.get(version)
+        return weights
+
+    def has(self, version: int) -> bool:
+        try:
+            self._kept.get(version)
+        except KeyError:
+            return False
+        return True
+
+    def state_dict(self) -> dict[str, Any]:
+        return self._kept.state_dict()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        for version in sorted(state["versions"]):
+            self.publish(int(version), state["versions"][version])
