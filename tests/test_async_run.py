@@ -7,16 +7,17 @@ import pytest
 import torch
 from helpers import read_records, small_config
 
+from asyncrl.algos import algorithm_class
 from asyncrl.core.stream import PromptStream
-from asyncrl.models.critic import build_critic
 from asyncrl.models.policy import load_policy
-from asyncrl.rollout.collector import Scorer, encode_prompts, make_group, noise_seed
-from asyncrl.rollout.engine import GenerationRequest, TorchGenerationEngine
+from asyncrl.rollout.collector import make_group, noise_seed
+from asyncrl.rollout.engine import EngineSpec, GenerationRequest
+from asyncrl.rollout.scorer import Scorer
+from asyncrl.rollout.torch_engine import TorchGenerationEngine
+from asyncrl.rollout.weight_sync import CopyWeightSync
+from asyncrl.tasks.prompts import encode_prompts
 from asyncrl.tasks.source import load_task
-from asyncrl.algos.grpo import GRPO
-from asyncrl.algos.ppo import PPO
 from asyncrl.train.trainer import train
-from asyncrl.algos.update import ReferencePolicy
 
 
 def reference_sync_losses(config) -> list[tuple[float, float]]:
@@ -27,17 +28,11 @@ def reference_sync_losses(config) -> list[tuple[float, float]]:
     task = load_task(config.data)
     policy = load_policy(config.model, config.run.seed, task.alphabet())
     prompts = encode_prompts(task, policy.tokenizer, r.max_new_tokens, policy.max_seq_len)
-    engine = TorchGenerationEngine(
-        policy.model, policy.eos_id, policy.pad_id, r.max_new_tokens, r.temperature
-    )
-    reference = ReferencePolicy(policy.model) if config.algo.kl_coef else None
-    algo: GRPO | PPO
-    if config.algo.name == "ppo":
-        critic = build_critic(policy, config.model, config.run.seed)
-        seed = config.run.seed
-        algo = PPO(policy.model, critic, config.algo, r.temperature, policy.pad_id, seed, reference)
-    else:
-        algo = GRPO(policy.model, config.algo, r.temperature, policy.pad_id, reference)
+    weights = CopyWeightSync()
+    weights.publish(0, policy.model.state_dict())
+    spec = EngineSpec(policy.model, policy.eos_id, policy.pad_id, r.max_new_tokens, r.temperature)
+    engine = TorchGenerationEngine(spec, weights)
+    algo = algorithm_class(config.algo.name)(policy, config)
     stream = PromptStream(len(task.examples), r.num_prompts_per_step, config.run.seed)
     scorer = Scorer(task, policy.tokenizer)
     results = []
@@ -58,7 +53,7 @@ def reference_sync_losses(config) -> list[tuple[float, float]]:
         ]
         metrics = algo.step(groups, step)
         results.append((metrics["loss"], metrics["reward_mean"]))
-        engine.update_weights(policy.model.state_dict(), step + 1)
+        weights.publish(step + 1, policy.model.state_dict())
     return results
 
 
@@ -69,7 +64,9 @@ PPO_ALL_ON = [
 
 
 @pytest.mark.parametrize(
-    "algo", [["algo.name=grpo"], ["algo.name=ppo"], PPO_ALL_ON], ids=["grpo", "ppo", "ppo-all-on"]
+    "algo",
+    [["algo.name=grpo"], ["algo.name=ppo"], PPO_ALL_ON, ["algo.name=rloo"]],
+    ids=["grpo", "ppo", "ppo-all-on", "rloo"],
 )
 def test_a_synchronous_run_is_bit_identical_to_a_plain_reference_loop(tmp_path, algo):
     config = small_config("rollout.max_trajectory_age_steps=0", "run.max_num_steps=8", *algo)

@@ -8,11 +8,15 @@ from asyncrl.config import (
     SECTIONS,
     Config,
     ConfigError,
+    algorithm_names,
     build_config,
     config_keys,
     field_docs,
     load_config,
+    options_class,
     reference_markdown,
+    resume_rule,
+    semantic_differences,
 )
 from asyncrl.config import (
     dump_config as dump,
@@ -53,10 +57,16 @@ def test_an_int_field_accepts_an_int_given_for_a_float():
     [
         (["rollout.num_prompt_per_step=8"], "did you mean rollout.num_prompts_per_step"),
         (["rolout.temperature=1"], "did you mean rollout.temperature"),
-        (["algo.name=ppoo"], "algo.name: got 'ppoo', allowed values: 'grpo', 'ppo'"),
-        (["algo.kl_in_reward=true"], "only `ppo` has per-token rewards"),
-        (["algo.tis_cap=0.5"], "algo.tis_cap: got 0.5, must be 0 or >= 1"),
-        (["algo.num_minibatches=300"], "at most the N*G=256 samples of a step"),
+        (["algo.name=ppoo"], "algo.name: got 'ppoo', allowed values: 'grpo', 'ppo', 'rloo'"),
+        (
+            ["algo.kl_in_reward=true"],
+            "algo.kl_in_reward: a key of algo.name=ppo, and this config has algo.name=grpo",
+        ),
+        (["algo.name=rloo", "algo.gamma=0.9"], "algo.gamma: a key of algo.name=ppo"),
+        (["algo.name=ppo", "algo.tis_cap=0.5"], "algo.tis_cap: got 0.5, must be 0 or >= 1"),
+        (["algo.name=ppo", "algo.num_minibatches=300"], "at most the N*G=256 samples of a step"),
+        (["algo.name=rloo", "rollout.num_generations_per_prompt=1"], "algo.name=rloo needs >= 2"),
+        (["rollout.engine=vllm"], "rollout.engine: got 'vllm', allowed values: 'torch'"),
         (["rollout.num_prompts_per_step=0"], "rollout.num_prompts_per_step: got 0, must be >= 1"),
         (["rollout.num_prompts_per_step=2.5"], "expected int"),
         (["rollout.temperature=hot"], "rollout.temperature: got 'hot'"),
@@ -99,10 +109,34 @@ def test_errors_in_a_file_name_the_file(tmp_path):
 
 
 def test_every_config_field_has_a_docstring():
-    for name, cls in SECTIONS.items():
+    classes = {**SECTIONS, **{f"algo.name={n}": options_class(n) for n in algorithm_names()}}
+    for name, cls in classes.items():
         docs = field_docs(cls)
-        missing = [f.name for f in dataclasses.fields(cls) if not docs.get(f.name)]
+        missing = [
+            f.name for f in dataclasses.fields(cls) if not docs.get(f.name) and f.name != "options"
+        ]
         assert not missing, f"{name}: fields without a docstring: {missing}"
+
+
+def test_an_algorithms_own_keys_are_grouped_with_it_and_round_trip():
+    config = build_config({"algo": {"name": "ppo", "gamma": 0.9, "lr": 0.01}})
+    assert config.algo.options.gamma == 0.9 and config.algo.lr == 0.01
+    assert "gamma" not in vars(config.algo)  # not a field of the shared section
+    flat = config.to_dict()["algo"]
+    assert flat["gamma"] == 0.9 and "options" not in flat
+    assert "gamma" not in Config().to_dict()["algo"]  # grpo has no gamma
+    assert build_config({"algo": flat}) == config
+
+
+def test_which_keys_may_change_on_resume_is_read_from_the_fields():
+    assert resume_rule("run.max_num_steps") == "may_change"
+    assert resume_rule("run.torch_threads") == "may_change_unless_deterministic"
+    assert resume_rule("model.hidden_size") == "never"
+    assert resume_rule("algo.lr") == resume_rule("algo.gamma") == "semantic"
+    saved = build_config({}, ["run.deterministic=true"]).to_dict()
+    del saved["rollout"]["engine"]  # a checkpoint written before the key existed
+    now = build_config({}, ["run.deterministic=true", "run.torch_threads=2"])
+    assert semantic_differences(saved, now) == ["run.torch_threads: checkpoint=1, now=2"]
 
 
 def test_the_resolved_config_round_trips_through_yaml(tmp_path):

@@ -1,12 +1,18 @@
-"""The torch generation engine: KV-cache sampling, EOS, behaviour log-probs, weight versions."""
+"""The torch generation engine: KV-cache sampling, EOS, behaviour log-probs, weight versions
+through the weight sync; engine capabilities refused at start."""
+
+import dataclasses
 
 import pytest
 import torch
-from helpers import DIGITS
+from helpers import DIGITS, small_config
 
-from asyncrl.config import ModelConfig
+from asyncrl.config import ConfigError, ModelConfig
 from asyncrl.models.policy import completion_logprobs, load_policy
-from asyncrl.rollout.engine import GenerationRequest, TorchGenerationEngine, sample_inverse_cdf
+from asyncrl.rollout import engine as engines
+from asyncrl.rollout.engine import EngineCapabilities, EngineSpec, GenerationRequest
+from asyncrl.rollout.torch_engine import TorchGenerationEngine, sample_inverse_cdf
+from asyncrl.rollout.weight_sync import CopyWeightSync
 
 
 @pytest.fixture(scope="module")
@@ -14,10 +20,12 @@ def policy():
     return load_policy(ModelConfig(), seed=0, alphabet=DIGITS)
 
 
-def engine_for(policy, max_new_tokens=6, temperature=1.0):
-    return TorchGenerationEngine(
-        policy.model, policy.eos_id, policy.pad_id, max_new_tokens, temperature
-    )
+def engine_for(policy, max_new_tokens=6, temperature=1.0, weights=None):
+    if weights is None:
+        weights = CopyWeightSync()
+        weights.publish(0, policy.model.state_dict())
+    spec = EngineSpec(policy.model, policy.eos_id, policy.pad_id, max_new_tokens, temperature)
+    return TorchGenerationEngine(spec, weights)
 
 
 def encode(policy, text):
@@ -78,16 +86,67 @@ def test_tokens_after_eos_are_padding_and_masked(policy):
 
 
 def test_new_weights_are_used_from_the_next_batch_and_reported_as_their_version(policy):
-    engine = engine_for(policy)
+    weights = CopyWeightSync(max_versions=2)
+    weights.publish(0, policy.model.state_dict())
+    engine = engine_for(policy, weights=weights)
     request = [GenerationRequest(encode(policy, "4321="), 4, noise_seed=11)]
     before = engine.generate(request)[0]
     assert before.weights_version == 0
     changed = {k: v + 0.5 * torch.randn_like(v) for k, v in policy.model.state_dict().items()}
-    engine.update_weights(changed, version=3)
-    assert engine.weights_version == 3
+    weights.publish(3, changed)
+    assert weights.newest() == 3
     after = engine.generate(request)[0]
     assert after.weights_version == 3
     assert not torch.equal(before.logprobs, after.logprobs)
-    engine.update_weights(policy.model.state_dict(), version=4)
+    pinned = engine.generate(request, version=0)[0]  # an older kept version, on request
+    assert torch.equal(pinned.logprobs, before.logprobs) and pinned.weights_version == 0
+    weights.publish(4, policy.model.state_dict())
     again = engine.generate(request)[0]
     assert torch.equal(again.logprobs, before.logprobs) and again.weights_version == 4
+    with pytest.raises(
+        RuntimeError, match=r"weights version 0 is no longer kept \(have \[3, 4\]\)"
+    ):
+        engine.generate(request, version=0)
+
+
+def test_published_weights_whose_keys_do_not_match_the_model_are_an_error(policy):
+    weights = CopyWeightSync()
+    state = dict(policy.model.state_dict())
+    state.pop("model.norm.weight")
+    weights.publish(0, state)  # a sync that lost a tensor: loading must not skip it silently
+    with pytest.raises(RuntimeError, match="model.norm.weight"):
+        engine_for(policy, weights=weights).generate([GenerationRequest([1, 2], 1, 0)])
+
+
+def test_the_weight_sync_saves_only_the_versions_older_than_the_newest(policy):
+    weights = CopyWeightSync(max_versions=3)
+    for version in range(5):
+        weights.publish(version, {"w": torch.full((2,), float(version))})
+    state = weights.state_dict()
+    assert sorted(state["versions"]) == [2, 3]  # kept 2, 3, 4; 4 is the trainer's own
+    restored = CopyWeightSync(max_versions=3)
+    restored.load_state_dict(state)
+    assert torch.equal(restored.get(3)["w"], torch.full((2,), 3.0))
+    single = CopyWeightSync(max_versions=1)
+    single.publish(0, {"w": torch.zeros(2)})
+    single.publish(1, {"w": torch.ones(2)})
+    assert single.state_dict() == {"versions": {}}  # not deterministic: nothing older to save
+
+
+class NoPinning(TorchGenerationEngine):
+    """The torch engine, declaring that it cannot generate with a pinned older version."""
+
+    capabilities = dataclasses.replace(TorchGenerationEngine.capabilities, pinned_versions=False)
+
+
+def test_a_config_that_needs_a_capability_the_engine_lacks_is_refused_naming_both(monkeypatch):
+    from asyncrl.train.components import build_components
+
+    monkeypatch.setitem(engines.ENGINES, "torch", f"{__name__}:NoPinning")
+    with pytest.raises(ConfigError) as err:
+        build_components(small_config("run.deterministic=true"))
+    message = str(err.value)
+    assert "run.deterministic=true needs an engine with pinned versions" in message
+    assert "rollout.engine=torch does not have it" in message
+    build_components(small_config())  # control: nothing needs pinning without determinism
+    assert EngineCapabilities().pinned_versions is False

@@ -15,8 +15,8 @@ import asyncrl.checkpoint.store as store_module
 from asyncrl.audit import audit_run_dir
 from asyncrl.checkpoint.store import CheckpointError
 from asyncrl.rollout.collector import GenerationFailed
-from asyncrl.rollout.engine import TorchGenerationEngine
-from asyncrl.train import grpo
+from asyncrl.rollout.torch_engine import TorchGenerationEngine
+from asyncrl.algos import grpo
 from asyncrl.train.rundir import RunDirError
 from asyncrl.train.trainer import train
 from asyncrl.algos.update import NonFiniteLoss

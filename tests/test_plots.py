@@ -3,6 +3,7 @@ and marks the records call for (checked on the figure objects, not just the file
 
 from __future__ import annotations
 
+import shutil
 import time
 
 import matplotlib.image
@@ -17,7 +18,7 @@ from asyncrl.plots import (
     ledger_series,
     write_plots,
 )
-from asyncrl.rollout.engine import TorchGenerationEngine
+from asyncrl.rollout.torch_engine import TorchGenerationEngine
 from asyncrl.train.records import read_jsonl
 from asyncrl.train.trainer import train
 
@@ -26,8 +27,9 @@ N = 4
 
 @pytest.fixture(scope="module")
 def resumed_run(tmp_path_factory):
-    """A run trained to step 6, then resumed to step 10 under keep_incomplete: the final
-    checkpoint of the first launch has prompts in flight, which the resume skips."""
+    """A run trained to step 6 whose final checkpoint was lost, resumed to step 10 under
+    keep_incomplete from the checkpoint of step 3, which has prompts in flight (generation
+    admits up to target 5 by then) that the resume skips."""
     run = tmp_path_factory.mktemp("plots") / "run"
     common = ["checkpoint.save_period=3", "rollout.max_trajectory_age_steps=2"]
     real = TorchGenerationEngine.generate
@@ -39,6 +41,7 @@ def resumed_run(tmp_path_factory):
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(TorchGenerationEngine, "generate", slow_generate)
         train(small_config(*common, "run.max_num_steps=6"), run)
+    shutil.rmtree(run / "checkpoints" / "step_000006")
     lossy = "checkpoint.resume_policy=keep_incomplete"
     train(small_config(*common, "run.max_num_steps=10", lossy, "logging.plot=true"), run)
     return run

@@ -12,7 +12,8 @@ from helpers import read_records, small_config
 from asyncrl.checkpoint.store import CheckpointError
 from asyncrl.inspect_run import inspect_run_dir
 from asyncrl.models.critic import completion_values
-from asyncrl.rollout.collector import Scorer, make_group, noise_seed
+from asyncrl.rollout.collector import make_group, noise_seed
+from asyncrl.rollout.scorer import Scorer
 from asyncrl.rollout.engine import GenerationRequest
 from asyncrl.train.components import Components, build_components
 from asyncrl.train.trainer import train
@@ -135,7 +136,7 @@ def test_a_checkpoint_holds_the_critic_as_it_was_at_the_cut(tmp_path, monkeypatc
     submit = CheckpointWriter.submit
 
     def capture(self, step, snapshot, info):
-        frozen = {k: v.clone() for k, v in snapshot.critic.items()}
+        frozen = {k: v.clone() for k, v in snapshot.parts["algorithm"]["critic"].items()}
         captured.append((snapshot, frozen))
         submit(self, step, snapshot, info)
 
@@ -143,8 +144,9 @@ def test_a_checkpoint_holds_the_critic_as_it_was_at_the_cut(tmp_path, monkeypatc
     config = small_config("algo.name=ppo", "run.max_num_steps=4", "checkpoint.save_period=2")
     train(config, tmp_path / "run")
     snapshot, frozen = captured[0]  # the cut at step 2; steps 2 and 3 trained after it
-    assert all(torch.equal(snapshot.critic[k], v) for k, v in frozen.items())
-    assert snapshot.critic_optimizer["state"]
+    critic = snapshot.parts["algorithm"]["critic"]
+    assert all(torch.equal(critic[k], v) for k, v in frozen.items())
+    assert snapshot.parts["algorithm"]["critic_optimizer"]["state"]
 
 
 def test_a_grpo_checkpoint_forced_onto_ppo_is_refused_with_the_reason(tmp_path):

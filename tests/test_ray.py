@@ -18,7 +18,8 @@ import torch
 from helpers import read_records, small_config
 
 from asyncrl.audit import audit_run_dir
-from asyncrl.distributed.ray_backend import NAMESPACE, worker_name
+from asyncrl.distributed.cluster import NAMESPACE
+from asyncrl.distributed.worker import worker_name
 from asyncrl.rollout.collector import GenerationFailed
 from asyncrl.train.trainer import train
 
@@ -150,20 +151,29 @@ def test_one_checkpoint_resumes_under_either_backend(tmp_path):
 def test_a_replaced_worker_generates_with_the_weights_of_the_version_asked_for():
     """A worker replaced after training began must not take the live (trained) model for
     version 0: deterministic mode pins early targets to version 0."""
-    from asyncrl.distributed.ray_backend import WorkerDied, build_ray_engine, start_ray
-    from asyncrl.rollout.engine import GenerationRequest, TorchGenerationEngine
+    from asyncrl.distributed.cluster import start_ray
+    from asyncrl.distributed.weights import ObjectStoreWeightSync
+    from asyncrl.distributed.worker import WorkerDied, build_ray_engine
+    from asyncrl.rollout.engine import EngineSpec, GenerationRequest
+    from asyncrl.rollout.torch_engine import TorchGenerationEngine
+    from asyncrl.rollout.weight_sync import CopyWeightSync
     from asyncrl.train.components import build_components
 
     config = small_config(*RAY, "rollout.num_workers=1", "run.deterministic=true")
     policy = build_components(small_config()).policy  # a threads build: just the model
-    oracle = TorchGenerationEngine(policy.model, policy.eos_id, policy.pad_id, 5, 1.0)
+    spec = EngineSpec(policy.model, policy.eos_id, policy.pad_id, 5, 1.0)
+    initial = CopyWeightSync()
+    initial.publish(0, policy.model.state_dict())
+    oracle = TorchGenerationEngine(spec, initial)
     started = start_ray(config)
     try:
-        engine = build_ray_engine(config, policy.model, policy.eos_id, policy.pad_id, 2)
+        weights = ObjectStoreWeightSync(max_versions=2)
+        weights.publish(0, policy.model.state_dict())
+        engine = build_ray_engine(config, spec, weights)
         with torch.no_grad():  # "training": the live model moves on, version 1 is published
             for p in policy.model.parameters():
                 p.add_(0.5)
-        engine.update_weights(policy.model.state_dict(), 1)
+        weights.publish(1, policy.model.state_dict())
         ray.kill(engine.workers[0])
         request = [GenerationRequest([1, 2, 3], 4, noise_seed=7)]
         with pytest.raises(WorkerDied):

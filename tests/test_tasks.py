@@ -6,7 +6,7 @@ import pytest
 
 from asyncrl.config import ConfigError, DataConfig
 from asyncrl.models.tokenizer import build_char_tokenizer
-from asyncrl.rollout.collector import encode_prompts
+from asyncrl.tasks.prompts import encode_prompts
 from asyncrl.tasks.rewards import exact_match, partial_match
 from asyncrl.tasks.source import load_task, read_jsonl_examples, sort_digits_examples
 

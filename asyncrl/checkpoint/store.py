@@ -102,6 +102,7 @@ class CheckpointStore:
                 fault_point("checkpoint.file_written")
             manifest = {
                 "format": FORMAT,
+                "format_version": 2,
                 "run_id": self.run_id,
                 "step": step,
                 "config_hash": config_hash,
