@@ -1,15 +1,17 @@
-"""Reward against wall time for PPO and GRPO, synchronous (A=0) and asynchronous (A=1), on the
-built-in task, in one run of this script.
+"""Reward against wall time for GRPO, PPO and RLOO, synchronous (A=0) and asynchronous (A=1), on
+the built-in task, in one run of this script.
 
-Each of the four runs uses its algorithm's demo config (`configs/demo.yaml`,
-`configs/ppo_demo.yaml`) with only `rollout.max_trajectory_age_steps` and the step count
-changed (`--grpo-steps`, `--ppo-steps`: a PPO step costs about twice a GRPO step, so the
-defaults give both about the same wall time), and is timed by its own records. Prints a
+Each of the six runs uses its algorithm's demo config (`configs/demo.yaml`,
+`configs/ppo_demo.yaml`, `configs/rloo_demo.yaml`) with only `rollout.max_trajectory_age_steps`
+and the step count changed (`--grpo-steps` for GRPO and RLOO, `--ppo-steps`: a PPO step costs
+about twice a GRPO step, so the defaults give all about the same wall time), and is timed by
+its own records. Prints a
 table (steps/s, reward over the first and last 10% of steps, wall seconds until the 50-step
 mean reward first reaches each threshold) and writes `docs/img/ppo_vs_grpo.png` (or `--plot
 PATH`).
 
     .venv/bin/python benchmarks/ppo_vs_grpo.py [--grpo-steps 1200] [--ppo-steps 600] [--plot PATH]
+    (`make bench-algos`; GRPO's step count applies to RLOO, whose step costs the same)
 """
 
 from __future__ import annotations
@@ -35,7 +37,10 @@ RUNS = [  # label, config file, A
     ("GRPO async", "configs/demo.yaml", 1),
     ("PPO sync", "configs/ppo_demo.yaml", 0),
     ("PPO async", "configs/ppo_demo.yaml", 1),
+    ("RLOO sync", "configs/rloo_demo.yaml", 0),
+    ("RLOO async", "configs/rloo_demo.yaml", 1),
 ]
+COLORS = {"GRPO": "tab:blue", "PPO": "tab:orange", "RLOO": "tab:green"}
 THRESHOLDS = (0.5, 0.8, 0.9)
 WINDOW = 50
 
@@ -101,7 +106,7 @@ def main() -> None:
             + " |"
         )
         style = "-" if "async" in label else "--"
-        color = "tab:blue" if label.startswith("GRPO") else "tab:orange"
+        color = COLORS[label.split()[0]]
         ax.plot(walls, curve, style, color=color, label=label)
     ax.set_xlabel("wall time (s)")
     ax.set_ylabel(f"reward ({WINDOW}-step mean)")

@@ -2,18 +2,12 @@
 
 from __future__ import annotations
 
-import copy
 import json
 import os
-import pickle
 
 import pytest
-import torch
-from helpers import small_config
-from safetensors import safe_open
 
 from asyncrl.checkpoint.store import CheckpointError, CheckpointStore
-from asyncrl.core.tensors import clone_state
 
 
 def edit_manifest(step_dir, **changes) -> None:

@@ -114,7 +114,7 @@ def test_published_weights_whose_keys_do_not_match_the_model_are_an_error(policy
     state = dict(policy.model.state_dict())
     state.pop("model.norm.weight")
     weights.publish(0, state)  # a sync that lost a tensor: loading must not skip it silently
-    with pytest.raises(RuntimeError, match="model.norm.weight"):
+    with pytest.raises(RuntimeError, match=r"model\.norm\.weight"):
         engine_for(policy, weights=weights).generate([GenerationRequest([1, 2], 1, 0)])
 
 

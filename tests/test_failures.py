@@ -12,14 +12,14 @@ import torch
 from helpers import read_records, small_config
 
 import asyncrl.checkpoint.store as store_module
+from asyncrl.algos import grpo
+from asyncrl.algos.update import NonFiniteLoss
 from asyncrl.audit import audit_run_dir
 from asyncrl.checkpoint.store import CheckpointError
 from asyncrl.rollout.collector import GenerationFailed
 from asyncrl.rollout.torch_engine import TorchGenerationEngine
-from asyncrl.algos import grpo
 from asyncrl.train.rundir import RunDirError
 from asyncrl.train.trainer import train
-from asyncrl.algos.update import NonFiniteLoss
 
 
 def flaky_generate(monkeypatch, fail_calls: set[int], error: BaseException) -> None:

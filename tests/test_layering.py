@@ -9,8 +9,10 @@ import sys
 CORE_AND_THREADS = [
     "asyncrl.core.buffer", "asyncrl.core.ledger", "asyncrl.core.stream", "asyncrl.core.window",
     "asyncrl.core.advantages", "asyncrl.core.losses", "asyncrl.core.resume",
-    "asyncrl.rollout.collector", "asyncrl.rollout.engine", "asyncrl.train.trainer",
-    "asyncrl.train.components", "asyncrl.cli",
+    "asyncrl.rollout.collector", "asyncrl.rollout.engine", "asyncrl.rollout.torch_engine",
+    "asyncrl.rollout.weight_sync", "asyncrl.rollout.scorer", "asyncrl.algos.grpo",
+    "asyncrl.algos.ppo", "asyncrl.algos.rloo", "asyncrl.checkpoint.snapshot",
+    "asyncrl.train.trainer", "asyncrl.train.components", "asyncrl.cli",
 ]  # fmt: skip
 
 
@@ -28,5 +30,26 @@ def test_the_core_and_the_threads_backend_import_without_ray():
 
 
 def test_the_check_itself_catches_a_ray_import():  # negative control
-    done = run_without_ray("import asyncrl.distributed.ray_backend")
+    done = run_without_ray("import asyncrl.distributed.worker")
     assert done.returncode != 0 and "ray" in done.stderr
+
+
+def test_the_trainer_names_no_algorithm_and_no_engine_class():
+    """STYLE.md rule 13: the loop never branches on the algorithm; which algorithm and which
+    engine a run uses is decided in one place (train/components.py, through the registries)."""
+    from pathlib import Path
+
+    import asyncrl.train.trainer as trainer
+
+    source = Path(trainer.__file__).read_text()
+    for name in (
+        "GRPO",
+        "PPO",
+        "RLOO",
+        "grpo",
+        "ppo",
+        "rloo",
+        "TorchGenerationEngine",
+        "RayEngine",
+    ):
+        assert name not in source, name

@@ -9,15 +9,15 @@ import pytest
 import torch
 from helpers import read_records, small_config
 
+from asyncrl.algos.update import stack_groups
 from asyncrl.checkpoint.store import CheckpointError
 from asyncrl.inspect_run import inspect_run_dir
 from asyncrl.models.critic import completion_values
 from asyncrl.rollout.collector import make_group, noise_seed
-from asyncrl.rollout.scorer import Scorer
 from asyncrl.rollout.engine import GenerationRequest
+from asyncrl.rollout.scorer import Scorer
 from asyncrl.train.components import Components, build_components
 from asyncrl.train.trainer import train
-from asyncrl.algos.update import stack_groups
 
 
 def groups_of(parts: Components, count: int = 4) -> list:

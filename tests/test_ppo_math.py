@@ -10,6 +10,7 @@ import random
 import pytest
 import torch
 
+from asyncrl.algos.ppo import minibatches
 from asyncrl.core.advantages import gae, last_token, ppo_advantages, terminal_rewards, whiten
 from asyncrl.core.losses import (
     ClippedPolicyLoss,
@@ -18,7 +19,6 @@ from asyncrl.core.losses import (
     kl_estimate,
     truncated_is_weights,
 )
-from asyncrl.algos.ppo import minibatches
 
 
 def test_gae_matches_a_hand_computed_case_with_episode_ends_and_a_bootstrap_value():
