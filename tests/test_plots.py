@@ -3,7 +3,7 @@ and marks the records call for (checked on the figure objects, not just the file
 
 from __future__ import annotations
 
-import time
+import threading
 
 import matplotlib.image
 import pytest
@@ -18,7 +18,7 @@ from asyncrl.plots import (
     write_plots,
 )
 from asyncrl.rollout.engine import TorchGenerationEngine
-from asyncrl.train.records import read_jsonl
+from asyncrl.train.records import JsonlLog, read_jsonl
 from asyncrl.train.trainer import train
 
 N = 4
@@ -27,18 +27,42 @@ N = 4
 @pytest.fixture(scope="module")
 def resumed_run(tmp_path_factory):
     """A run trained to step 6, then resumed to step 10 under keep_incomplete: the final
-    checkpoint of the first launch has prompts in flight, which the resume skips."""
+    checkpoint of the first launch has prompts in flight, which the resume skips.
+
+    "In flight" is forced by ordering, not by timing: generation of any ordinal past step 5's
+    (target 6 on) blocks until the launch has ended, and step 5's record is not written until
+    such a batch is blocked, so the final checkpoint, taken after that record, holds it."""
     run = tmp_path_factory.mktemp("plots") / "run"
     common = ["checkpoint.save_period=3", "rollout.max_trajectory_age_steps=2"]
-    real = TorchGenerationEngine.generate
+    last_needed = 6 * N  # ordinals 0..23 are all that steps 0-5 train
+    entered, release = threading.Event(), threading.Event()
+    requested = [0]
+    real_generate, real_write = TorchGenerationEngine.generate, JsonlLog.write
 
-    def slow_generate(self, requests, version=None):  # generation-bound, as LLM RL is: the
-        time.sleep(0.05)  # collector is always mid-batch, so checkpoints have prompts in flight
-        return real(self, requests, version)
+    def gated_generate(self, requests, version=None):
+        past_step_5 = requested[0] >= last_needed  # the collector dispatches in ordinal order
+        requested[0] += len(requests)
+        if past_step_5:
+            entered.set()
+            release.wait()
+            raise RuntimeError("the launch has ended")  # the batch never lands
+        return real_generate(self, requests, version)
 
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(TorchGenerationEngine, "generate", slow_generate)
-        train(small_config(*common, "run.max_num_steps=6"), run)
+    def ordered_write(self, record):
+        if self.path.name == "metrics.jsonl" and record.get("step") == 5:
+            assert entered.wait(120), "generation never reached the ordinals past step 5"
+        real_write(self, record)
+
+    try:
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(TorchGenerationEngine, "generate", gated_generate)
+            patch.setattr(JsonlLog, "write", ordered_write)
+            train(small_config(*common, "run.max_num_steps=6"), run)
+    finally:
+        release.set()
+    events = read_jsonl(run / "events.jsonl")
+    (final,) = [e for e in events if e["event"] == "checkpoint" and e["step"] == 6]
+    assert final["in_flight"] > 0
     lossy = "checkpoint.resume_policy=keep_incomplete"
     train(small_config(*common, "run.max_num_steps=10", lossy, "logging.plot=true"), run)
     return run
