@@ -117,6 +117,11 @@ class DataConfig:
             )
 
 
+def buffer_capacity(num_prompts_per_step: int, max_trajectory_age_steps: int) -> int:
+    """(A+1)*N: with the window checked at admission, no more groups are ever buffered."""
+    return (max_trajectory_age_steps + 1) * num_prompts_per_step
+
+
 @dataclass
 class RolloutConfig:
     num_prompts_per_step: int = field(default=16, metadata=NEVER_CHANGES)
@@ -151,7 +156,7 @@ class RolloutConfig:
     @property
     def buffer_capacity(self) -> int:
         """(A+1)*N: the most groups the replay buffer ever holds (targets t..t+A)."""
-        return (self.max_trajectory_age_steps + 1) * self.num_prompts_per_step
+        return buffer_capacity(self.num_prompts_per_step, self.max_trajectory_age_steps)
 
     @property
     def resolved_groups_per_batch(self) -> int:

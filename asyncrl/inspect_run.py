@@ -7,9 +7,10 @@ import json
 from pathlib import Path
 from typing import Any
 
-from asyncrl.checkpoint.snapshot import read_parts
+from asyncrl.checkpoint.snapshot import FILES, read_parts
 from asyncrl.checkpoint.store import CheckpointStore
 from asyncrl.core.resume import POLICIES, SavedLedger, plan_resume
+from asyncrl.train.rundir import check_coherent
 
 
 class InspectError(RuntimeError):
@@ -20,7 +21,8 @@ def inspect_run_dir(run_dir: Path) -> dict[str, Any]:
     run_json = run_dir / "run.json"
     if not run_json.is_file():
         raise InspectError(f"{run_dir}: not a run dir (no run.json)")
-    store = CheckpointStore(run_dir / "checkpoints", json.loads(run_json.read_text())["run_id"])
+    run_id = json.loads(run_json.read_text())["run_id"]
+    store = CheckpointStore(run_dir / "checkpoints", run_id, FILES, check_coherent)
     latest, rejected = store.latest()
     if latest is None:
         return {"run_dir": str(run_dir), "checkpoint": None, "rejected": rejected}

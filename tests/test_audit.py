@@ -54,3 +54,14 @@ def test_after_a_resume_only_the_reissued_ordinals_may_be_generated_again():
     assert report.violations == [
         "I3: attempt 1 generated ordinals from step 1's checkpoint again: 1"
     ]
+
+
+def test_a_record_appended_after_a_torn_last_line_is_not_lost(tmp_path):
+    from asyncrl.train.records import JsonlLog, read_jsonl
+
+    path = tmp_path / "metrics.jsonl"
+    path.write_text('{"step": 0}\n{"step": 1, "loss": 0.')  # SIGKILLed mid-write
+    log = JsonlLog(path)
+    log.write({"step": 1, "loss": 0.5})
+    log.close()
+    assert read_jsonl(path) == [{"step": 0}, {"step": 1, "loss": 0.5}]

@@ -2,17 +2,36 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
+from pathlib import Path
 
 import pytest
+from helpers import small_config
 
-from asyncrl.checkpoint.store import CheckpointError, CheckpointStore
+from asyncrl.checkpoint.store import (
+    FORMAT_VERSION,
+    SUPPORTED_FORMAT_VERSIONS,
+    CheckpointError,
+    CheckpointStore,
+    UnsupportedCheckpointFormat,
+)
+
+FIXTURES = Path(__file__).resolve().parent / "fixtures" / "v1"
 
 
 def edit_manifest(step_dir, **changes) -> None:
     manifest = json.loads((step_dir / "manifest.json").read_text())
     manifest.update(changes)
+    (step_dir / "manifest.json").write_text(json.dumps(manifest))
+
+
+def list_in_manifest(step_dir, name: str, data: bytes) -> None:
+    """Adds (or fixes up) the manifest entry `name` with `data`'s true size and SHA-256: what an
+    attacker who can write the directory does."""
+    manifest = json.loads((step_dir / "manifest.json").read_text())
+    manifest["files"][name] = {"bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
     (step_dir / "manifest.json").write_text(json.dumps(manifest))
 
 
@@ -100,3 +119,156 @@ def test_an_existing_checkpoint_is_never_overwritten_and_a_torn_one_is_set_aside
     assert store.latest()[0].step == 1
     (aside,) = tmp_path.glob(".rejected-step_000001-*")
     assert (aside / "a.bin").read_bytes() == b"rotten"
+
+
+SECRET = b"not part of any checkpoint"
+
+
+@pytest.mark.parametrize(
+    "entry",
+    ["../../secret.txt", "../" * 10 + "{secret}", "{secret}", "../step_000001/a.bin"],
+)
+def test_a_manifest_entry_outside_the_checkpoint_makes_it_unverifiable(tmp_path, entry):
+    secret = tmp_path / "secret.txt"
+    secret.write_bytes(SECRET)
+    store = CheckpointStore(tmp_path / "ckpt", run_id="r1")
+    save_steps(store, 1, 2)
+    entry = entry.format(secret=secret)
+    target = (tmp_path / "ckpt" / "step_000002" / entry).resolve()
+    assert target.is_file(), "the entry names a real file: only its place makes it wrong"
+    list_in_manifest(tmp_path / "ckpt" / "step_000002", entry, target.read_bytes())
+    latest, rejected = store.latest()
+    assert latest is not None and latest.step == 1
+    assert len(rejected) == 1 and entry in rejected[0] and "not a plain file name" in rejected[0]
+    with pytest.raises(CheckpointError, match="not a plain file name"):
+        store.verify(tmp_path / "ckpt" / "step_000002", 2)
+
+
+@pytest.mark.parametrize("entry", ["link.bin", "a.bin"])
+def test_a_symlink_entry_in_a_checkpoint_makes_it_unverifiable(tmp_path, entry):
+    secret = tmp_path / "secret.txt"
+    secret.write_bytes(SECRET)
+    store = CheckpointStore(tmp_path / "ckpt", run_id="r1", required_files=("a.bin",))
+    save_steps(store, 1, 2)
+    step_dir = tmp_path / "ckpt" / "step_000002"
+    (step_dir / entry).unlink(missing_ok=True)
+    (step_dir / entry).symlink_to(secret)  # inside the directory, pointing out of it
+    list_in_manifest(step_dir, entry, SECRET)
+    latest, rejected = store.latest()
+    assert latest is not None and latest.step == 1
+    assert len(rejected) == 1 and f"{step_dir / entry}: a symbolic link" in rejected[0]
+
+
+def test_a_checkpoint_directory_that_is_a_symlink_is_never_loaded(tmp_path):
+    store = CheckpointStore(tmp_path / "ckpt", run_id="r1")
+    save_steps(store, 1)
+    save_steps(CheckpointStore(tmp_path / "elsewhere", run_id="r1"), 2)
+    (tmp_path / "ckpt" / "step_000002").symlink_to(tmp_path / "elsewhere" / "step_000002")
+    latest, rejected = store.latest()
+    assert latest.step == 1 and "step_000002: a symbolic link" in rejected[0]
+
+
+def test_a_verified_checkpoint_reads_only_the_files_its_manifest_lists(tmp_path):
+    (tmp_path / "secret.txt").write_bytes(SECRET)
+    store = CheckpointStore(tmp_path / "ckpt", run_id="r1")
+    save_steps(store, 1)
+    latest = store.latest()[0]
+    assert latest.read_bytes("a.bin") == b"step 1"
+    for name in ("../../secret.txt", "manifest.json", "c.bin"):
+        with pytest.raises(CheckpointError, match=f"{name}: not a file the manifest lists"):
+            latest.read_bytes(name)
+
+
+def test_a_new_checkpoint_records_the_format_version_it_was_written_in(tmp_path):
+    store = CheckpointStore(tmp_path, run_id="r1")
+    save_steps(store, 1)
+    manifest = json.loads((tmp_path / "step_000001" / "manifest.json").read_text())
+    assert manifest["format"] == "asyncrl-checkpoint" and manifest["format_version"] == 2
+    assert FORMAT_VERSION == 2 and SUPPORTED_FORMAT_VERSIONS == (1, 2)
+    assert store.latest()[0].format_version == 2
+
+
+def test_a_checkpoint_written_before_format_versions_reads_as_version_1(tmp_path):
+    store = CheckpointStore(tmp_path, run_id="r1")
+    save_steps(store, 1)
+    manifest = json.loads((tmp_path / "step_000001" / "manifest.json").read_text())
+    manifest["format"] = "asyncrl-checkpoint/1"
+    del manifest["format_version"]
+    (tmp_path / "step_000001" / "manifest.json").write_text(json.dumps(manifest))
+    assert store.latest()[0].format_version == 1
+    # and one really written by the code of that time (see tests/test_checkpoint_compat.py)
+    run_id = json.loads((FIXTURES / "grpo" / "run.json").read_text())["run_id"]
+    old = CheckpointStore(FIXTURES / "grpo" / "checkpoints", run_id)
+    latest, rejected = old.latest()
+    assert latest is not None and latest.step == 6 and rejected == []
+    assert latest.format_version == 1 and "format_version" not in latest.manifest
+
+
+def test_a_checkpoint_of_an_unknown_format_version_stops_the_search_instead_of_falling_back(
+    tmp_path,
+):
+    store = CheckpointStore(tmp_path, run_id="r1")
+    save_steps(store, 1, 2)
+    newer = tmp_path / "step_000002"
+    edit_manifest(newer, format_version=99)
+    with pytest.raises(UnsupportedCheckpointFormat) as err:
+        store.latest()  # falling back to step 1 would throw away the newer run's work
+    message = str(err.value)
+    assert str(newer / "manifest.json") in message and "format version 99" in message
+    assert "reads versions 1, 2" in message and "upgrade asyncrl to resume it" in message
+    with pytest.raises(UnsupportedCheckpointFormat):
+        save_steps(store, 2)  # never set aside, never overwritten
+    assert store.retain(keep_last=1) == []
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step_000001", "step_000002"]
+    edit_manifest(newer, format_version="2")  # not a version at all: just a broken manifest
+    latest, rejected = store.latest()
+    assert latest.step == 1 and "format_version '2' is not an integer" in rejected[0]
+
+
+def make_incoherent(step_dir) -> None:
+    """Rewrites state.json so that its checksums hold but its parts do not fit together:
+    ordinal 0 is in flight for target 0, before the checkpoint's step."""
+    state = json.loads((step_dir / "state.json").read_text())
+    state["parts"]["ledger"]["in_flight"].append([0, 0])
+    data = json.dumps(state).encode()
+    (step_dir / "state.json").write_bytes(data)
+    list_in_manifest(step_dir, "state.json", data)
+
+
+def test_an_incoherent_newest_checkpoint_is_neither_kept_as_newest_nor_in_the_way_of_training(
+    tmp_path,
+):
+    from helpers import read_records
+
+    from asyncrl.audit import audit_run_dir
+    from asyncrl.train.rundir import open_run_dir
+    from asyncrl.train.trainer import train
+
+    run = tmp_path / "run"
+    checkpoints = run / "checkpoints"
+    train(small_config("run.max_num_steps=4", "checkpoint.save_period=2"), run)
+    make_incoherent(checkpoints / "step_000004")
+    run_id = json.loads((run / "run.json").read_text())["run_id"]
+    CheckpointStore(checkpoints, run_id).verify(checkpoints / "step_000004", 4)  # checksums hold
+    opened = open_run_dir(run, small_config("run.max_num_steps=6", "checkpoint.save_period=2"))
+    try:
+        assert opened.latest.step == 2
+        assert opened.store.retain(keep_last=1) == []  # step 2 is the newest loadable one
+    finally:
+        opened.lock.close()
+    assert sorted(p.name for p in checkpoints.iterdir()) == ["step_000002", "step_000004"]
+
+    summary = train(small_config("run.max_num_steps=6", "checkpoint.save_period=2"), run)
+    assert "6 steps in" in summary
+    (resume,) = [e for e in read_records(run / "events.jsonl") if e["event"] == "resume"]
+    assert resume["from_step"] == 2
+    assert "incoherent checkpoint of step 4" in resume["rejected_checkpoints"][0]
+    (aside,) = checkpoints.glob(".rejected-step_000004-*")
+    aside_state = json.loads((aside / "state.json").read_text())
+    assert [0, 0] in aside_state["parts"]["ledger"]["in_flight"]
+    store = CheckpointStore(checkpoints, run_id)
+    for step in (4, 6):
+        store.verify(checkpoints / f"step_{step:06d}", step)
+        state = json.loads((checkpoints / f"step_{step:06d}" / "state.json").read_text())
+        assert [0, 0] not in state["parts"]["ledger"]["in_flight"]
+    assert audit_run_dir(run).ok

@@ -115,3 +115,44 @@ def test_a_run_dir_with_foreign_run_files_is_refused(tmp_path, repo_root):
     assert done.returncode == 2
     assert "holds files of a run but no run.json" in done.stderr
     assert (run / "metrics.jsonl").read_text() == '{"step": 0}\n'
+
+
+def test_a_checkpoint_from_a_newer_asyncrl_is_refused_with_exit_2_and_nothing_trained(
+    tmp_path, repo_root
+):
+    import json
+
+    from asyncrl.config import load_config
+    from asyncrl.train.trainer import train
+
+    demo = str(repo_root / "configs" / "demo.yaml")
+    run = tmp_path / "run"
+    train(load_config(demo, [*SMALL, "run.max_num_steps=4", "checkpoint.save_period=2"]), run)
+    manifest_path = run / "checkpoints" / "step_000004" / "manifest.json"
+    manifest = json.loads(manifest_path.read_text())
+    manifest["format_version"] = 99  # as a future asyncrl would write it
+    manifest_path.write_text(json.dumps(manifest))
+    before = {name: (run / name).read_bytes() for name in ("metrics.jsonl", "events.jsonl")}
+
+    done = run_cli("train", demo, "--run-dir", str(run), *SMALL, "checkpoint.save_period=2")
+    assert done.returncode == 2, done.stdout + done.stderr
+    assert "Traceback" not in done.stderr
+    (line,) = done.stderr.strip().splitlines()
+    assert line.startswith("asyncrl: error: ") and str(manifest_path) in line
+    assert "format version 99" in line and "upgrade asyncrl to resume it" in line
+    assert {name: (run / name).read_bytes() for name in before} == before  # nothing trained
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["step_000002", "step_000004"]
+    shown = run_cli("inspect", str(run))
+    assert shown.returncode == 2 and "format version 99" in shown.stderr
+    assert "Traceback" not in shown.stderr
+
+
+def test_a_run_dir_that_cannot_be_created_exits_2_naming_it(tmp_path, repo_root):
+    (tmp_path / "a-file").write_text("")
+    demo = str(repo_root / "configs" / "demo.yaml")
+    for run in ("/proc/asyncrl-test/run", str(tmp_path / "a-file" / "run")):
+        done = run_cli("train", demo, "--run-dir", run, *SMALL)
+        assert done.returncode == 2, done.stderr
+        assert "Traceback" not in done.stderr
+        (line,) = done.stderr.strip().splitlines()
+        assert line.startswith(f"asyncrl: error: {run}: cannot create the run dir"), line

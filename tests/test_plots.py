@@ -4,7 +4,7 @@ and marks the records call for (checked on the figure objects, not just the file
 from __future__ import annotations
 
 import shutil
-import time
+import threading
 
 import matplotlib.image
 import pytest
@@ -19,7 +19,7 @@ from asyncrl.plots import (
     write_plots,
 )
 from asyncrl.rollout.torch_engine import TorchGenerationEngine
-from asyncrl.train.records import read_jsonl
+from asyncrl.train.records import JsonlLog, read_jsonl
 from asyncrl.train.trainer import train
 
 N = 4
@@ -28,20 +28,45 @@ N = 4
 @pytest.fixture(scope="module")
 def resumed_run(tmp_path_factory):
     """A run trained to step 6 whose final checkpoint was lost, resumed to step 10 under
-    keep_incomplete from the checkpoint of step 3, which has prompts in flight (generation
-    admits up to target 5 by then) that the resume skips."""
+    keep_incomplete from the checkpoint of step 3, which has prompts in flight that the
+    resume skips.
+
+    "In flight" is forced by ordering, not by timing: the batch of target 4 (the collector
+    dispatches one target per batch, in order) blocks until the checkpoint of step 3 is
+    written, and step 2's record — after which that checkpoint is taken — waits until the
+    batch is blocked."""
     run = tmp_path_factory.mktemp("plots") / "run"
     common = ["checkpoint.save_period=3", "rollout.max_trajectory_age_steps=2"]
-    real = TorchGenerationEngine.generate
+    entered, release = threading.Event(), threading.Event()
+    real_generate, real_write = TorchGenerationEngine.generate, JsonlLog.write
 
-    def slow_generate(self, requests, version=None):  # generation-bound, as LLM RL is: the
-        time.sleep(0.05)  # collector is always mid-batch, so checkpoints have prompts in flight
-        return real(self, requests, version)
+    def gated_generate(self, requests, version=None):
+        if requests[0].noise_seed in target_4_seeds:
+            entered.set()
+            assert release.wait(120), "the checkpoint of step 3 was never written"
+        return real_generate(self, requests, version)
 
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(TorchGenerationEngine, "generate", slow_generate)
-        train(small_config(*common, "run.max_num_steps=6"), run)
-    shutil.rmtree(run / "checkpoints" / "step_000006")
+    def ordered_write(self, record):
+        if self.path.name == "metrics.jsonl" and record.get("step") == 2:
+            assert entered.wait(120), "generation never reached target 4"
+        real_write(self, record)
+        if record.get("event") == "checkpoint" and record.get("step") == 3:
+            release.set()
+
+    from asyncrl.rollout.collector import noise_seed
+
+    target_4_seeds = {noise_seed(0, k) for k in range(4 * N, 5 * N)}
+    try:
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(TorchGenerationEngine, "generate", gated_generate)
+            patch.setattr(JsonlLog, "write", ordered_write)
+            train(small_config(*common, "run.max_num_steps=6"), run)
+    finally:
+        release.set()
+    events = read_jsonl(run / "events.jsonl")
+    (cut,) = [e for e in events if e["event"] == "checkpoint" and e["step"] == 3]
+    assert cut["in_flight"] > 0
+    shutil.rmtree(run / "checkpoints" / "step_000006")  # the final checkpoint is lost
     lossy = "checkpoint.resume_policy=keep_incomplete"
     train(small_config(*common, "run.max_num_steps=10", lossy, "logging.plot=true"), run)
     return run

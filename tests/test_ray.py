@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import ray
 import torch
-from helpers import read_records, small_config
+from helpers import read_complete_records, read_records, small_config
 
 from asyncrl.audit import audit_run_dir
 from asyncrl.distributed.cluster import NAMESPACE
@@ -56,14 +56,15 @@ def test_an_end_to_end_run_on_two_worker_actors_passes_the_audit(tmp_path):
     records = assert_schedule_and_exactly_once(run, 10)
     assert set(landed_per_ordinal(run).values()) == {1}
     assert records[-1]["workers_replaced"] == 0 and records[-1]["weights_load_s"] > 0
-    assert max(r["step"] - r["generation_version_min"] for r in records) == 1  # A=1, async
+    # I2 with A=1. Not "== 1": whether some step trained on older weights depends on timing
+    assert all(0 <= r["step"] - r["generation_version_min"] <= 1 for r in records)
     assert not ray.is_initialized()  # the run shut down the local Ray it started
 
 
 def kill_worker_when(run: Path, steps_done: int, killed: list[str]) -> threading.Thread:
     def kill() -> None:
         metrics = run / "metrics.jsonl"
-        while not metrics.exists() or len(metrics.read_text().splitlines()) < steps_done:
+        while len(read_complete_records(metrics)) < steps_done:  # the run is writing it
             time.sleep(0.01)
         actor = ray.get_actor(worker_name(0, 0), namespace=NAMESPACE)
         ray.kill(actor)  # the actor's process is killed, like a lost node
@@ -110,11 +111,12 @@ def test_a_sigkilled_driver_resumes_on_ray_and_loses_nothing(tmp_path, repo_root
     env = {**os.environ, "PYTHONWARNINGS": "ignore"}
     proc = subprocess.Popen(args, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     metrics = run / "metrics.jsonl"
-    deadline = time.monotonic() + 120
+    deadline = time.monotonic() + 300  # Ray's start is slow on a loaded machine
     while time.monotonic() < deadline and proc.poll() is None:
-        if metrics.exists() and len(metrics.read_text().splitlines()) >= 8:
+        if len(read_complete_records(metrics)) >= 8:
             break
         time.sleep(0.01)
+    assert len(read_complete_records(metrics)) >= 8, "killed before the step-3 checkpoint"
     proc.send_signal(signal.SIGKILL)
     proc.wait(30)
     assert proc.returncode == -signal.SIGKILL

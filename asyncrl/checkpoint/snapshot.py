@@ -26,7 +26,7 @@ from typing import Any, Protocol
 
 import numpy as np
 import torch
-from safetensors import SafetensorError
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import load as load_tensors
 from safetensors.torch import save as save_tensors
 
@@ -160,7 +160,7 @@ def encode(snapshot: Snapshot) -> dict[str, bytes]:
 
 
 def format_version(verified: Verified) -> int:
-    return int(verified.manifest.get("format_version", 1))
+    return verified.format_version
 
 
 def read_state(verified: Verified) -> dict[str, Any]:
@@ -204,6 +204,40 @@ def decode(verified: Verified) -> Snapshot:
         raise CheckpointError(
             f"{verified.path}: state does not match its tensors ({err!r})"
         ) from None
+
+
+def _tensor_refs(tree: Any, found: set[str]) -> set[str]:
+    if isinstance(tree, dict):
+        if "__tensor__" in tree:
+            found.add(tree["__tensor__"])
+        for value in tree.values():
+            _tensor_refs(value, found)
+    elif isinstance(tree, list):
+        for value in tree:
+            _tensor_refs(value, found)
+    return found
+
+
+def check_tensor_files(verified: Verified, parts: dict[str, Any]) -> None:
+    """Refuses a checkpoint whose tensor files are not safetensors, or (format 2) lack a tensor
+    its state names. Reads only the files' headers."""
+    headers: dict[str, set[str]] = {}
+    for name in ("model.safetensors", "state.safetensors"):
+        try:
+            with safe_open(verified.path / name, "pt") as f:
+                headers[name] = set(f.keys())
+        except (OSError, SafetensorError, ValueError) as err:
+            raise CheckpointError(f"{verified.path / name}: tensors unreadable ({err})") from None
+    if format_version(verified) == 1:
+        return
+    for part, tree in parts.items():
+        file = "model.safetensors" if part == MODEL_PART else "state.safetensors"
+        missing = sorted(_tensor_refs(tree, set()) - headers[file])
+        if missing:
+            raise CheckpointError(
+                f"{verified.path / file}: lacks {len(missing)} tensors of part {part!r} "
+                f"(first: {missing[0]})"
+            )
 
 
 def check_cut(parts: dict[str, Any], num_prompts_per_step: int, capacity: int) -> None:

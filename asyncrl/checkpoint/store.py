@@ -1,22 +1,29 @@
 """Atomic, verified checkpoint directories.
 
 Write protocol (`save`): every file goes into `checkpoints/.tmp-step_NNNNNN-RUNID-PID` and
-is fsynced; `manifest.json` (size and SHA-256 of every file, run id, step, config hash) is written
+is fsynced; `manifest.json` (format version, size and SHA-256 of every file, run id, step, config
+hash) is written
 and fsynced last; the directory is fsynced, renamed to `checkpoints/step_NNNNNN`, and the parent
 directory is fsynced. A kill at any instant leaves either no `step_NNNNNN` or a complete one.
 
 Read protocol (`latest`): candidates newest first; a directory is loadable only if its manifest
-parses, names this run and its step, and every listed file has the listed size and SHA-256.
-The first verified one wins; every rejected one is reported with the reason.
+parses, is of a format version this asyncrl reads, names this run and its step, every entry is a
+plain file name of a regular file directly inside the directory (no path, no symlink: I7) with
+the listed size and SHA-256, and the store's `check` (a run dir's: the snapshot decodes and its
+parts fit together) accepts it. The first such one wins; every rejected one is reported with
+the reason. A checkpoint of an unknown format version stops the search instead
+(`UnsupportedCheckpointFormat`): falling back to an older one would throw away newer work.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import os
 import re
 import shutil
+import stat
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -25,7 +32,14 @@ from typing import Any
 
 from asyncrl.faults import fault_point
 
-FORMAT = "asyncrl-checkpoint/1"
+FORMAT = "asyncrl-checkpoint"
+"""The manifest's `format`; it never changes: a new layout bumps `format_version`."""
+LEGACY_FORMAT = "asyncrl-checkpoint/1"
+"""Manifests written before `format_version` existed: read as version 1."""
+FORMAT_VERSION = 2
+"""The version `save` writes."""
+SUPPORTED_FORMAT_VERSIONS = (1, 2)
+"""The versions this asyncrl reads (`Verified.format_version` says which one a checkpoint is)."""
 MANIFEST = "manifest.json"
 _STEP_DIR = re.compile(r"^step_(\d{6,})$")
 
@@ -34,18 +48,71 @@ class CheckpointError(RuntimeError):
     """A checkpoint could not be written or verified; the message names the file."""
 
 
+class UnsupportedCheckpointFormat(CheckpointError):
+    """A checkpoint in a format version this asyncrl does not read. Not a damaged checkpoint:
+    `latest` raises it instead of falling back to an older one, and nothing sets it aside."""
+
+
+def _check_name(path: Path, name: object) -> str:
+    """`name` if it is a plain file name (no directory part, not `.`/`..`, no NUL), else a
+    `CheckpointError`: a manifest must never make a reader open a file outside its directory."""
+    if not isinstance(name, str) or name in ("", ".", "..") or "/" in name or "\0" in name:
+        raise CheckpointError(
+            f"{path / MANIFEST}: entry {name!r} is not a plain file name of the checkpoint "
+            "directory; the checkpoint is unusable (move it out of checkpoints/)"
+        )
+    return name
+
+
+def _read_regular(file: Path) -> bytes:
+    """The bytes of `file`, refusing a symlink or anything but a regular file (opened with
+    O_NOFOLLOW and checked on the open descriptor, so a swap after the check cannot redirect
+    the read)."""
+    try:
+        fd = os.open(file, os.O_RDONLY | os.O_NOFOLLOW)
+    except FileNotFoundError:
+        raise CheckpointError(f"{file}: missing") from None
+    except OSError as err:
+        if os.path.islink(file):
+            raise CheckpointError(
+                f"{file}: a symbolic link, not a file of the checkpoint; the checkpoint is "
+                "unusable (move it out of checkpoints/)"
+            ) from None
+        raise CheckpointError(f"{file}: unreadable ([Errno {err.errno}] {err.strerror})") from None
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise CheckpointError(f"{file}: not a regular file; the checkpoint is unusable")
+        with os.fdopen(fd, "rb", closefd=False) as f:
+            return f.read()
+    finally:
+        os.close(fd)
+
+
 @dataclass(frozen=True)
 class Verified:
     path: Path
     step: int
     manifest: dict[str, Any]
+    format_version: int = FORMAT_VERSION
+    """The checkpoint format version it was written in (one of SUPPORTED_FORMAT_VERSIONS)."""
+    checked: Any = dataclasses.field(default=None, compare=False, repr=False)
+    """What the store's `check` returned for it (a run dir's store: the decoded Snapshot), as
+    handed out by `latest`; None when the store has no check."""
+    manifest_sha256: str = ""
+    """The SHA-256 of the manifest file's bytes: with the files verified, it names their
+    content."""
 
     def read_bytes(self, name: str) -> bytes:
         """A file's bytes, re-checked against the manifest (the disk may change after
-        verification)."""
-        data = (self.path / name).read_bytes()
-        expected = self.manifest["files"][name]["sha256"]
-        if hashlib.sha256(data).hexdigest() != expected:
+        verification). Only names the manifest lists: never a path, never a symlink."""
+        entry = self.manifest["files"].get(name) if isinstance(name, str) else None
+        if entry is None:
+            raise CheckpointError(
+                f"{self.path / str(name)}: not a file the manifest lists; a checkpoint reads only "
+                "its verified files"
+            )
+        data = _read_regular(self.path / _check_name(self.path, name))
+        if hashlib.sha256(data).hexdigest() != entry["sha256"]:
             raise CheckpointError(f"{self.path / name}: changed after verification")
         return data
 
@@ -78,10 +145,27 @@ def _write_synced(path: Path, data: bytes) -> None:
 
 
 class CheckpointStore:
-    def __init__(self, root: Path, run_id: str, required_files: tuple[str, ...] = ()) -> None:
+    """The checkpoints of one run under `root`.
+
+    `check`, if given, is part of what "verified" means here: it is called on a checkpoint that
+    passed `verify` and may raise `CheckpointError` to reject it (a run dir passes: the
+    snapshot decodes and its parts fit together). `latest`, `retain` and `_set_aside` all
+    apply it, so a checkpoint that loading would skip is never counted as the newest by
+    retention, nor kept in the way of a new save of its step."""
+
+    def __init__(
+        self,
+        root: Path,
+        run_id: str,
+        required_files: tuple[str, ...] = (),
+        check: Callable[[Verified], object] | None = None,
+    ) -> None:
         self.root = root
         self.run_id = run_id
         self.required_files = required_files
+        self.check = check
+        self._judged: dict[tuple[Path, str], str | None] = {}
+        """(path, manifest SHA-256) -> None if `check` accepted it, else why not."""
 
     def save(self, step: int, files: dict[str, bytes], config_hash: str) -> Saved:
         """Writes `files` as the checkpoint of `step` (see the module docstring)."""
@@ -102,7 +186,7 @@ class CheckpointStore:
                 fault_point("checkpoint.file_written")
             manifest = {
                 "format": FORMAT,
-                "format_version": 2,
+                "format_version": FORMAT_VERSION,
                 "run_id": self.run_id,
                 "step": step,
                 "config_hash": config_hash,
@@ -130,11 +214,14 @@ class CheckpointStore:
         return Saved(final, step, num_bytes, time.perf_counter() - start)
 
     def _set_aside(self, path: Path, step: int) -> None:
-        """A `step_NNNNNN` that is in the way of a new save: a verified one is never replaced;
-        an unverifiable one (torn, corrupt, foreign) is renamed out of the checkpoint namespace
-        and kept for the user to look at."""
+        """A `step_NNNNNN` that is in the way of a new save: a verified one (`verify` and
+        `check`) is never replaced; an unverifiable one (torn, corrupt, foreign, incoherent) is
+        renamed out of the checkpoint namespace and kept for the user to look at. One of an
+        unknown format version is neither: `UnsupportedCheckpointFormat` propagates."""
         try:
-            self.verify(path, step)
+            self._judge(self.verify(path, step))
+        except UnsupportedCheckpointFormat:
+            raise
         except CheckpointError as err:
             aside = path.with_name(f".rejected-{path.name}-{int(time.time())}")
             os.rename(path, aside)
@@ -154,16 +241,23 @@ class CheckpointStore:
         return sorted(found, reverse=True)
 
     def verify(self, path: Path, step: int) -> Verified:
-        """Checks the manifest and every file; raises `CheckpointError` naming what is wrong."""
+        """Checks the manifest and every file (not `check`); raises `CheckpointError` naming
+        what is wrong, `UnsupportedCheckpointFormat` for a format version this asyncrl does not
+        read."""
         manifest_path = path / MANIFEST
+        if path.is_symlink():
+            raise CheckpointError(
+                f"{path}: a symbolic link, not a checkpoint directory; the checkpoint is unusable "
+                "(move it out of checkpoints/)"
+            )
+        if not os.path.lexists(manifest_path):
+            raise CheckpointError(f"{manifest_path}: missing (torn write)")
+        raw = _read_regular(manifest_path)
         try:
-            manifest = json.loads(manifest_path.read_text())
-        except FileNotFoundError:
-            raise CheckpointError(f"{manifest_path}: missing (torn write)") from None
+            manifest = json.loads(raw)
         except (json.JSONDecodeError, UnicodeDecodeError) as err:
             raise CheckpointError(f"{manifest_path}: not valid JSON ({err})") from None
-        if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
-            raise CheckpointError(f"{manifest_path}: not an {FORMAT} manifest")
+        version = self._format_version(manifest_path, manifest)
         if manifest.get("run_id") != self.run_id:
             raise CheckpointError(
                 f"{manifest_path}: belongs to run {manifest.get('run_id')!r}, not {self.run_id!r}"
@@ -183,34 +277,89 @@ class CheckpointStore:
         missing = sorted(set(self.required_files) - set(files))
         if missing:
             raise CheckpointError(f"{manifest_path}: does not list {', '.join(missing)}")
+        for name in files:
+            _check_name(path, name)  # every entry, before any file is opened
         for name, entry in files.items():
             file = path / name
-            if not file.is_file():
-                raise CheckpointError(f"{file}: missing (step {step})")
-            size = file.stat().st_size
-            if size != entry["bytes"]:
+            try:
+                data = _read_regular(file)
+            except CheckpointError as err:
+                raise CheckpointError(f"{err} (step {step})") from None
+            if len(data) != entry["bytes"]:
                 raise CheckpointError(
-                    f"{file}: size {size} bytes, manifest expects {entry['bytes']} (step {step})"
+                    f"{file}: size {len(data)} bytes, manifest expects {entry['bytes']} "
+                    f"(step {step})"
                 )
-            digest = hashlib.sha256(file.read_bytes()).hexdigest()
+            digest = hashlib.sha256(data).hexdigest()
             if digest != entry["sha256"]:
                 raise CheckpointError(
                     f"{file}: SHA-256 {digest}, manifest expects {entry['sha256']} (step {step})"
                 )
-        return Verified(path, step, manifest)
+        return Verified(
+            path, step, manifest, version, manifest_sha256=hashlib.sha256(raw).hexdigest()
+        )
 
-    def latest(
-        self, check: Callable[[Verified], object] | None = None
-    ) -> tuple[Verified | None, list[str]]:
+    @staticmethod
+    def _format_version(manifest_path: Path, manifest: object) -> int:
+        """The manifest's format version: `format_version`, or 1 for a manifest written before
+        that field existed. Raises `UnsupportedCheckpointFormat` for a well-formed version this
+        asyncrl does not read."""
+        if not isinstance(manifest, dict) or manifest.get("format") not in (FORMAT, LEGACY_FORMAT):
+            raise CheckpointError(f"{manifest_path}: not an {FORMAT} manifest")
+        if "format_version" not in manifest and manifest["format"] == LEGACY_FORMAT:
+            return 1
+        version = manifest.get("format_version")
+        if not isinstance(version, int) or isinstance(version, bool):
+            raise CheckpointError(f"{manifest_path}: format_version {version!r} is not an integer")
+        if version not in SUPPORTED_FORMAT_VERSIONS:
+            readable = ", ".join(str(v) for v in SUPPORTED_FORMAT_VERSIONS)
+            origin = (
+                "was written by a newer asyncrl; upgrade asyncrl to resume it"
+                if version > max(SUPPORTED_FORMAT_VERSIONS)
+                else "is older than any this asyncrl reads; resume it with the asyncrl that "
+                "wrote it"
+            )
+            raise UnsupportedCheckpointFormat(
+                f"{manifest_path}: checkpoint format version {version} (this asyncrl reads "
+                f"versions {readable}) {origin}"
+            )
+        return version
+
+    def _judge(self, verified: Verified) -> None:
+        """Applies `check` to a verified checkpoint, remembering the verdict per (path,
+        manifest SHA-256): the manifest fixes every file's hash and `verify` has just
+        re-checked them, so the same key means the same bytes and the same verdict."""
+        if self.check is None:
+            return
+        key = (verified.path, verified.manifest_sha256)
+        if key not in self._judged:
+            try:
+                self.check(verified)
+                self._judged[key] = None
+            except UnsupportedCheckpointFormat:
+                raise
+            except CheckpointError as err:
+                self._judged[key] = str(err)
+        reason = self._judged[key]
+        if reason is not None:
+            raise CheckpointError(reason)
+
+    def latest(self) -> tuple[Verified | None, list[str]]:
         """The newest verified checkpoint (or None) and why each newer candidate was rejected.
-        `check` may load the candidate further and raise `CheckpointError` to reject it too."""
+        Its `checked` holds what `check` returned. Raises `UnsupportedCheckpointFormat` when a
+        candidate is in a format version this asyncrl does not read, rather than fall back
+        past it."""
         rejected: list[str] = []
         for step, path in self.candidates():
             try:
                 verified = self.verify(path, step)
-                if check is not None:
-                    check(verified)
-                return verified, rejected
+                if self.check is None:
+                    return verified, rejected
+                checked = self.check(verified)
+                self._judged[(verified.path, verified.manifest_sha256)] = None
+                return dataclasses.replace(verified, checked=checked), rejected
+            except UnsupportedCheckpointFormat:
+                raise
             except CheckpointError as err:
                 rejected.append(str(err))
         return None, rejected
@@ -218,14 +367,23 @@ class CheckpointStore:
     def retain(self, keep_last: int) -> list[Path]:
         """Deletes verified checkpoints of this run beyond the newest `keep_last`, and this
         run's abandoned temp dirs. Never the newest verified one; never a directory whose
-        manifest names another run. Returns what it deleted."""
+        manifest names another run, nor one `verify` or `check` rejects (an incoherent newer
+        checkpoint does not count towards `keep_last`, so it cannot push out the one a resume
+        would load). Returns what it deleted.
+
+        Cost, on every save: `verify` re-reads and hashes every file of every kept checkpoint
+        (as before), and `check` runs once per checkpoint in this store's lifetime (its verdict
+        is remembered by manifest hash): with a run dir's check, one decode of each new
+        checkpoint, in the writer's background thread, holding one decoded copy at a time."""
         deleted = []
         verified = []
         for step, path in self.candidates():
             try:
-                verified.append(self.verify(path, step))
+                candidate = self.verify(path, step)
+                self._judge(candidate)
             except CheckpointError:
-                continue  # not ours to judge: a torn or foreign directory stays
+                continue  # not ours to judge: a torn, foreign, incoherent or newer-format one
+            verified.append(candidate)
         for old in verified[max(keep_last, 1) :]:
             # renamed first, so a kill mid-delete leaves a temp dir of ours, not a torn step
             trash = old.path.with_name(f".tmp-trash-{old.path.name}-{self.run_id}")
@@ -233,6 +391,7 @@ class CheckpointStore:
             fault_point("checkpoint.retention_deleted")
             shutil.rmtree(trash)
             deleted.append(old.path)
+            self._judged = {k: v for k, v in self._judged.items() if k[0] != old.path}
         return deleted + self.clean_temp()
 
     def clean_temp(self) -> list[Path]:

@@ -26,7 +26,11 @@ class JsonlLog:
 
     def __init__(self, path: Path) -> None:
         self.path = path
+        torn = path.exists() and path.stat().st_size > 0 and not _ends_with_newline(path)
         self._file = path.open("a", encoding="utf-8")
+        if torn:  # a kill mid-write left a partial last line: never glue a record onto it
+            self._file.write("\n")
+            self._file.flush()
         self._lock = threading.Lock()
 
     def write(self, record: dict[str, Any]) -> None:
@@ -40,6 +44,12 @@ class JsonlLog:
     def close(self) -> None:
         with self._lock:
             self._file.close()
+
+
+def _ends_with_newline(path: Path) -> bool:
+    with path.open("rb") as f:
+        f.seek(-1, 2)
+        return f.read(1) == b"\n"
 
 
 class EventLog(JsonlLog):

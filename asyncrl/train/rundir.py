@@ -7,6 +7,7 @@ launches so far (the `start` events in events.jsonl).
 from __future__ import annotations
 
 import fcntl
+import functools
 import json
 import os
 import uuid
@@ -14,9 +15,21 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO
 
-from asyncrl.checkpoint.snapshot import FILES, Snapshot, check_cut, decode
-from asyncrl.checkpoint.store import CheckpointStore, Verified
-from asyncrl.config import Config, dump_config, resume_rule, semantic_differences
+from asyncrl.checkpoint.snapshot import (
+    FILES,
+    Snapshot,
+    check_cut,
+    check_tensor_files,
+    decode,
+    read_parts,
+)
+from asyncrl.checkpoint.store import (
+    CheckpointError,
+    CheckpointStore,
+    UnsupportedCheckpointFormat,
+    Verified,
+)
+from asyncrl.config import Config, buffer_capacity, dump_config, resume_rule, semantic_differences
 from asyncrl.train.records import read_jsonl
 
 
@@ -35,9 +48,29 @@ class RunDir:
     lock: IO[str] | None = None
     forced_changes: list[str] = field(default_factory=list)
 
-    @property
+    @functools.cached_property
     def store(self) -> CheckpointStore:
-        return CheckpointStore(self.path / "checkpoints", self.run_id, FILES)
+        """The run's checkpoints; "verified" includes `check_coherent`, so what a resume would
+        skip is never counted as the newest by retention nor kept in the way of a save. One
+        store per run dir: it remembers which checkpoints it has already judged."""
+        return CheckpointStore(self.path / "checkpoints", self.run_id, FILES, check_coherent)
+
+
+def check_coherent(verified: Verified) -> None:
+    """Raises `CheckpointError` unless a verified checkpoint's parts fit together
+    (`check_cut`, judged by the checkpoint's own config, not the new one) and its tensor files
+    are safetensors holding every tensor its state names. The one check that decides whether
+    a checkpoint is loadable: `_find_checkpoint` and retention both use it. It reads
+    `state.json` and the safetensors headers only, never the tensor data (the manifest's
+    hashes already vouch for those bytes)."""
+    parts, config = read_parts(verified)
+    try:
+        saved = config["rollout"]
+        n = int(saved["num_prompts_per_step"])
+        check_cut(parts, n, buffer_capacity(n, int(saved["max_trajectory_age_steps"])))
+    except (KeyError, TypeError, ValueError) as err:
+        raise CheckpointError(f"{verified.path}: state is malformed ({err!r})") from None
+    check_tensor_files(verified, parts)
 
 
 def _lock(path: Path) -> IO[str]:
@@ -76,40 +109,69 @@ def open_run_dir(
     config keys differ from the checkpoint's, naming each `key: checkpoint=X, now=Y` (unless
     `force_config`), and a run dir with history but no verified checkpoint (unless
     `restart`)."""
+    try:
+        run_id, lock = _claim(path)
+    except OSError as err:
+        raise _os_error(path, "cannot create the run dir or write in it", err) from None
+    try:
+        starts = [e for e in read_jsonl(path / "events.jsonl") if e.get("event") == "start"]
+        run = RunDir(path=path, run_id=run_id, attempt=len(starts), lock=lock)
+        _find_checkpoint(run, config, restart, force_config)
+        (path / "config.yaml").write_text(dump_config(config))
+    except OSError as err:
+        lock.close()
+        raise _os_error(path, "cannot read or write the run dir", err) from None
+    except BaseException:
+        lock.close()
+        raise
+    return run
+
+
+def _os_error(path: Path, what: str, err: OSError) -> RunDirError:
+    """One line: the run dir, what failed, the OS's reason and the file it names."""
+    where = f" ({err.filename})" if err.filename and str(err.filename) != str(path) else ""
+    return RunDirError(
+        f"{path}: {what}: [Errno {err.errno}] {err.strerror}{where}; fix that or choose another "
+        "--run-dir"
+    )
+
+
+def _claim(path: Path) -> tuple[str, IO[str]]:
+    """Creates the run dir if needed, locks it and makes sure it has a run.json; returns the
+    run id and the lock. Raises `OSError` where the file system refuses."""
     run_json = path / "run.json"
     if run_json.is_file():
-        run_id = json.loads(run_json.read_text())["run_id"]
+        try:
+            run_id = json.loads(run_json.read_text())["run_id"]
+        except (ValueError, KeyError, TypeError) as err:
+            raise RunDirError(
+                f"{run_json}: unreadable ({err!r}); it names the run its checkpoints belong to: "
+                "restore it, or choose a new --run-dir"
+            ) from None
     elif (path / "metrics.jsonl").exists() or (path / "events.jsonl").exists():
         raise RunDirError(f"{path} holds files of a run but no run.json: choose a new --run-dir")
     else:
         path.mkdir(parents=True, exist_ok=True)
         run_id = uuid.uuid4().hex[:16]
     lock = _lock(path)
-    if not run_json.is_file():
-        _write_run_json(path, run_id)
-    CheckpointStore(path / "checkpoints", run_id).clean_temp()  # ours, and we hold the lock
-    starts = [e for e in read_jsonl(path / "events.jsonl") if e.get("event") == "start"]
-    run = RunDir(path=path, run_id=run_id, attempt=len(starts), lock=lock)
     try:
-        _find_checkpoint(run, config, restart, force_config)
+        if not run_json.is_file():
+            _write_run_json(path, run_id)
+        CheckpointStore(path / "checkpoints", run_id).clean_temp()  # ours, and we hold the lock
     except BaseException:
         lock.close()
         raise
-    (path / "config.yaml").write_text(dump_config(config))
-    return run
+    return run_id, lock
 
 
 def _find_checkpoint(run: RunDir, config: Config, restart: bool, force_config: bool) -> None:
     path = run.path
-
-    def load(verified: Verified) -> None:
-        snapshot = decode(verified)
-        saved = snapshot.config["rollout"]  # judged by its own config, not the new one
-        n = int(saved["num_prompts_per_step"])
-        check_cut(snapshot.parts, n, (int(saved["max_trajectory_age_steps"]) + 1) * n)
-        run.snapshot = snapshot
-
-    run.latest, run.rejected = run.store.latest(check=load)
+    try:
+        run.latest, run.rejected = run.store.latest()
+    except UnsupportedCheckpointFormat as err:  # never fall back past newer work
+        raise RunDirError(str(err)) from None
+    if run.latest is not None:
+        run.snapshot = decode(run.latest)
     if run.latest is not None and run.snapshot is not None:
         differences = semantic_differences(run.snapshot.config, config)
         hard = [d for d in differences if resume_rule(d.split(":")[0]) == "never"]
