@@ -5,7 +5,7 @@ BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 RUN_DIR ?= runs/demo-$(shell date +%Y%m%d-%H%M%S)
 
-.PHONY: setup demo ppo-demo test lint bench bench-algos bench-ray chaos docs clean
+.PHONY: setup demo ppo-demo rloo-demo test lint bench bench-algos bench-ray chaos docs clean
 
 setup: $(STAMP)
 
@@ -27,6 +27,9 @@ lint: setup
 
 ppo-demo: setup
 	$(BIN)/asyncrl train configs/ppo_demo.yaml --run-dir $(subst demo-,ppo-demo-,$(RUN_DIR))
+
+rloo-demo: setup
+	$(BIN)/asyncrl train configs/rloo_demo.yaml --run-dir $(subst demo-,rloo-demo-,$(RUN_DIR))
 
 test: lint
 	$(BIN)/pytest -q

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import small_config
+from helpers import groups_of, small_config
 
 from asyncrl.algos import ALGORITHMS, algorithm_class
 from asyncrl.algos.rloo import RLOO, leave_one_out_advantages
@@ -43,7 +43,6 @@ def test_rloo_is_in_the_registry_and_needs_two_samples_per_prompt():
 
 
 def test_rloo_steps_with_its_own_advantages_not_grpos(monkeypatch):
-    from test_ppo import groups_of
 
     from asyncrl.algos import grpo
     from asyncrl.train.components import build_components
