@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -56,3 +59,15 @@ def groups_of(parts: Any, count: int = 4) -> list:
         out = parts.engine.generate([request])[0]
         groups.append(make_group(ticket, ids, out, scorer(ticket, out), 0.0))
     return groups
+
+
+def run_cli(*args: str, timeout: float = 300) -> subprocess.CompletedProcess[str]:
+    """`asyncrl ARGS` as a real process (this interpreter; PYTHONPATH and the rest inherited)."""
+    env = {**os.environ, "PYTHONWARNINGS": "ignore"}
+    return subprocess.run(
+        [sys.executable, "-m", "asyncrl.cli", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=env,
+    )

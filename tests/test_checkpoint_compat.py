@@ -16,14 +16,12 @@ the oracle the resumed run must match bit for bit.
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
-from helpers import read_records
+from helpers import read_records, run_cli
 
 pytestmark = pytest.mark.slow
 
@@ -45,20 +43,9 @@ EXTRA = {
 }  # fmt: skip
 
 
-def asyncrl(*args: str) -> subprocess.CompletedProcess[str]:
-    env = {**os.environ, "PYTHONWARNINGS": "ignore"}
-    return subprocess.run(
-        [sys.executable, "-m", "asyncrl.cli", *args],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        env=env,
-    )
-
-
 def train(run: Path, repo_root: Path, *extra: str) -> subprocess.CompletedProcess[str]:
     config = str(repo_root / "configs" / "demo.yaml")
-    return asyncrl("train", config, "--run-dir", str(run), *COMMON, *extra)
+    return run_cli("train", config, "--run-dir", str(run), *COMMON, *extra)
 
 
 @pytest.mark.parametrize("name", sorted(EXTRA))
@@ -89,7 +76,7 @@ def test_a_format_1_checkpoint_resumes_losslessly(tmp_path, repo_root, name):
         for k in span["ordinals"]
     }
     assert not regenerated & set(buffered), "a buffered group was generated again"  # I3
-    audit = asyncrl("audit", str(run))
+    audit = run_cli("audit", str(run))
     assert audit.returncode == 0 and "I1 ok, I3 ok" in audit.stdout, audit.stdout
 
 

@@ -5,11 +5,8 @@ README and DESIGN.md's contract together."""
 from __future__ import annotations
 
 import argparse
-import os
-import subprocess
-import sys
 
-from helpers import SMALL, read_records
+from helpers import SMALL, read_records, run_cli
 
 from asyncrl.cli import build_parser, parse_args
 from asyncrl.config import config_keys
@@ -67,17 +64,6 @@ def test_overrides_may_stand_before_or_after_run_dir():
     before = parse_args(["train", "c.yaml", "algo.lr=0.1", "--run-dir", "d", "run.seed=2"])
     assert before.config == "c.yaml" and before.run_dir == "d"
     assert before.overrides == ["algo.lr=0.1", "run.seed=2"]
-
-
-def run_cli(*args: str) -> subprocess.CompletedProcess[str]:
-    env = {**os.environ, "PYTHONWARNINGS": "ignore"}
-    return subprocess.run(
-        [sys.executable, "-m", "asyncrl.cli", *args],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        env=env,
-    )
 
 
 def test_train_from_the_command_line_writes_the_contract_files(tmp_path, repo_root):

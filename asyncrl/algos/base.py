@@ -22,6 +22,7 @@ from asyncrl.checkpoint.store import CheckpointError
 from asyncrl.core.types import Group
 
 if TYPE_CHECKING:
+    from asyncrl.algos.update import ReferencePolicy
     from asyncrl.config import Config
     from asyncrl.models.policy import Policy
 
@@ -87,3 +88,27 @@ def check_reference(state: dict[str, Any], sha256: str | None) -> None:
             f"the one the checkpoint was trained against ({saved}); did the files under "
             "model.path change?"
         )
+
+
+def policy_state(
+    name: str, optimizer: torch.optim.Optimizer, reference: ReferencePolicy | None
+) -> dict[str, Any]:
+    """What every algorithm saves of its policy side: its name, the policy's optimizer and the
+    hash of its reference policy (None without a KL penalty)."""
+    return {
+        "name": name,
+        "optimizer": optimizer.state_dict(),
+        "reference_sha256": reference.sha256 if reference else None,
+    }
+
+
+def load_policy_state(
+    state: dict[str, Any],
+    name: str,
+    optimizer: torch.optim.Optimizer,
+    reference: ReferencePolicy | None,
+) -> None:
+    """Restores `policy_state`, refusing another algorithm's state or another reference."""
+    check_written_by(state, name)
+    check_reference(state, reference.sha256 if reference else None)
+    optimizer.load_state_dict(state["optimizer"])

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 
-from asyncrl.algos.base import NoOptions, check_reference, check_written_by
+from asyncrl.algos.base import NoOptions, load_policy_state, policy_state
 from asyncrl.algos.update import (
     ReferencePolicy,
     batch_logprobs,
@@ -83,13 +83,7 @@ class GRPO:
         return self.model.state_dict()
 
     def state_dict(self) -> dict[str, Any]:
-        return {
-            "name": self.name,
-            "optimizer": self.optimizer.state_dict(),
-            "reference_sha256": self.reference.sha256 if self.reference else None,
-        }
+        return policy_state(self.name, self.optimizer, self.reference)
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        check_written_by(state, self.name)
-        check_reference(state, self.reference.sha256 if self.reference else None)
-        self.optimizer.load_state_dict(state["optimizer"])
+        load_policy_state(state, self.name, self.optimizer, self.reference)

@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 import numpy as np
 import torch
 
-from asyncrl.algos.base import check_reference, check_written_by
+from asyncrl.algos.base import load_policy_state, policy_state
 from asyncrl.algos.update import (
     ReferencePolicy,
     batch_logprobs,
@@ -155,11 +155,9 @@ class PPO:
     def state_dict(self) -> dict[str, Any]:
         """The policy optimizer, the critic and its optimizer, and the reference's hash."""
         return {
-            "name": self.name,
-            "optimizer": self.optimizer.state_dict(),
+            **policy_state(self.name, self.optimizer, self.reference),
             "critic": self.critic.state_dict(),
             "critic_optimizer": self.critic_optimizer.state_dict(),
-            "reference_sha256": self.reference.sha256 if self.reference else None,
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -168,9 +166,7 @@ class PPO:
                 f"the checkpoint has no critic (it was written by algo.name="
                 f"{state.get('name')!r}); algo.name cannot change on resume"
             )
-        check_written_by(state, self.name)
-        check_reference(state, self.reference.sha256 if self.reference else None)
-        self.optimizer.load_state_dict(state["optimizer"])
+        load_policy_state(state, self.name, self.optimizer, self.reference)
         self.critic.load_state_dict(state["critic"])
         self.critic_optimizer.load_state_dict(state["critic_optimizer"])
 
