@@ -191,9 +191,9 @@ class AlgoConfig:
     (in its file under `asyncrl/algos/`), set as `algo.KEY` like these and held in `options`."""
 
     name: str = "grpo"
-    """The RL algorithm, from the registry in `asyncrl/algos/__init__.py`: `grpo`
-    (group-normalised advantages, no critic), `ppo` (a critic, GAE, epochs over minibatches;
-    see docs/ppo.md) or `rloo` (REINFORCE with a leave-one-out baseline)."""
+    """The RL algorithm: a name in the registry (`asyncrl/algos/__init__.py`; a bad name lists
+    them). `grpo` is group-normalised advantages without a critic; the others are described in
+    docs/algorithms.md."""
     lr: float = 3e-4
     """AdamW learning rate of the policy."""
     weight_decay: float = 0.0
