@@ -31,7 +31,7 @@ from safetensors.torch import load as load_tensors
 from safetensors.torch import save as save_tensors
 
 from asyncrl.checkpoint.legacy import json_parts_from_v1, parts_from_v1
-from asyncrl.checkpoint.store import CheckpointError, Verified
+from asyncrl.checkpoint.store import FORMAT_VERSION, CheckpointError, Verified
 from asyncrl.core.tensors import clone_state
 
 FILES = ("model.safetensors", "state.safetensors", "state.json")
@@ -151,7 +151,7 @@ def encode(snapshot: Snapshot) -> dict[str, bytes]:
             parts[name] = _flatten(state, "", model_tensors, {})
         else:
             parts[name] = _flatten(state, name, tensors, {})
-    state_json = {"format_version": 2, "parts": parts, "config": snapshot.config}
+    state_json = {"format_version": FORMAT_VERSION, "parts": parts, "config": snapshot.config}
     return {
         "model.safetensors": save_tensors(model_tensors),
         "state.safetensors": save_tensors(tensors),

@@ -96,8 +96,8 @@ class Verified:
     format_version: int = FORMAT_VERSION
     """The checkpoint format version it was written in (one of SUPPORTED_FORMAT_VERSIONS)."""
     checked: Any = dataclasses.field(default=None, compare=False, repr=False)
-    """What the store's `check` returned for it (a run dir's store: the decoded Snapshot), as
-    handed out by `latest`; None when the store has no check."""
+    """What the store's `check` returned for it, as handed out by `latest` (None when the store
+    has no check, or a check that only validates, as a run dir's does)."""
     manifest_sha256: str = ""
     """The SHA-256 of the manifest file's bytes: with the files verified, it names their
     content."""
