@@ -206,14 +206,7 @@ def test_inspect_predicts_what_each_resume_policy_then_does(tmp_path, repo_root)
     )
     proc.communicate(timeout=120)
     assert proc.returncode == -signal.SIGKILL
-    shown = subprocess.run(
-        [sys.executable, "-m", "asyncrl.cli", "inspect", str(base), "--json"],
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
-    assert shown.returncode == 0, shown.stderr
-    info = json.loads(shown.stdout)
+    info = inspect_json(base)
     assert info["step"] == 6 and info["checkpoint"].endswith("step_000006")
     assert info["ledger"]["trained"] == 6 * N
     table = subprocess.run(

@@ -17,7 +17,6 @@ the reason. A checkpoint of an unknown format version stops the search instead
 
 from __future__ import annotations
 
-import dataclasses
 import hashlib
 import json
 import os
@@ -95,9 +94,6 @@ class Verified:
     manifest: dict[str, Any]
     format_version: int = FORMAT_VERSION
     """The checkpoint format version it was written in (one of SUPPORTED_FORMAT_VERSIONS)."""
-    checked: Any = dataclasses.field(default=None, compare=False, repr=False)
-    """What the store's `check` returned for it, as handed out by `latest` (None when the store
-    has no check, or a check that only validates, as a run dir's does)."""
     manifest_sha256: str = ""
     """The SHA-256 of the manifest file's bytes: with the files verified, it names their
     content."""
@@ -345,19 +341,16 @@ class CheckpointStore:
             raise CheckpointError(reason)
 
     def latest(self) -> tuple[Verified | None, list[str]]:
-        """The newest verified checkpoint (or None) and why each newer candidate was rejected.
-        Its `checked` holds what `check` returned. Raises `UnsupportedCheckpointFormat` when a
+        """The newest verified checkpoint (or None) and why each newer candidate was rejected;
+        "verified" includes the store's `check`. Raises `UnsupportedCheckpointFormat` when a
         candidate is in a format version this asyncrl does not read, rather than fall back
         past it."""
         rejected: list[str] = []
         for step, path in self.candidates():
             try:
                 verified = self.verify(path, step)
-                if self.check is None:
-                    return verified, rejected
-                checked = self.check(verified)
-                self._judged[(verified.path, verified.manifest_sha256)] = None
-                return dataclasses.replace(verified, checked=checked), rejected
+                self._judge(verified)
+                return verified, rejected
             except UnsupportedCheckpointFormat:
                 raise
             except CheckpointError as err:
