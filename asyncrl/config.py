@@ -15,6 +15,7 @@ import hashlib
 import inspect
 import itertools
 import json
+import re
 import typing
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -152,6 +153,11 @@ class RolloutConfig:
     `num_workers` generation actors on a Ray cluster (local by default, see `ray.address`)."""
     num_workers: int = field(default=1, metadata=MAY_CHANGE_UNLESS_DETERMINISTIC)
     """For `backend=ray`: generation worker actors; each batch is split across them."""
+    device: str = field(default="cpu", metadata=MAY_CHANGE_UNLESS_DETERMINISTIC)
+    """Where the engine generates: `cpu`, `cuda` or `cuda:N` (on Ray: inside each worker)."""
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    """The engine's weights and compute: the trainer's fp32 weights are cast to it when they
+    are published (the engine then holds them in this dtype only)."""
 
     @property
     def buffer_capacity(self) -> int:
@@ -177,11 +183,40 @@ class RolloutConfig:
             self.groups_per_batch >= 0, "rollout.groups_per_batch", self.groups_per_batch, ">= 0"
         )
         _require(self.num_workers >= 1, "rollout.num_workers", self.num_workers, ">= 1")
+        _check_device("rollout.device", self.device)
         _require(
             self.max_trajectory_age_steps >= 0,
             "rollout.max_trajectory_age_steps",
             self.max_trajectory_age_steps,
             ">= 0",
+        )
+
+
+DEVICE = re.compile(r"^(cpu|cuda(:\d+)?)$")
+
+
+def _check_device(key: str, value: str) -> None:
+    _require(bool(DEVICE.match(value)), key, value, "cpu, cuda or cuda:N")
+
+
+@dataclass
+class TrainConfig:
+    device: str = field(default="cpu", metadata=MAY_CHANGE_UNLESS_DETERMINISTIC)
+    """Where the policy (and PPO's critic and the KL reference) train: `cpu`, `cuda` or
+    `cuda:N`. Weights and optimizer state stay fp32 there (see `train.dtype`)."""
+    dtype: Literal["float32", "bfloat16"] = "float32"
+    """Compute precision of the forward and backward passes. `bfloat16` is mixed precision as
+    FSDP and torchtitan users know it: fp32 master weights, gradients and Adam moments, bf16
+    matmuls under `torch.autocast`; log-probs, losses and the optimizer in fp32."""
+    micro_batch_size: int = field(default=0, metadata=MAY_CHANGE_UNLESS_DETERMINISTIC)
+    """Sequences per forward/backward pass; 0 = the whole step (or PPO minibatch) at once.
+    Losses are masked sums over the step's normaliser, so the gradient does not depend on it
+    (up to floating-point summation order): it only bounds activation memory."""
+
+    def validate(self) -> None:
+        _check_device("train.device", self.device)
+        _require(
+            self.micro_batch_size >= 0, "train.micro_batch_size", self.micro_batch_size, ">= 0"
         )
 
 
@@ -306,6 +341,7 @@ class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
     algo: AlgoConfig = field(default_factory=AlgoConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)

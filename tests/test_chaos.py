@@ -12,7 +12,10 @@ from chaos import ChaosViolation, run_chaos  # noqa: E402
 
 
 def test_twenty_random_kills_keep_i1_i3_and_i4(tmp_path):
-    result = run_chaos(trials=20, root=tmp_path, seed=7, log=lambda _: None)
+    # with micro-batches: each step's 16 sequences in forward/backward passes of 5, 5, 5, 1
+    result = run_chaos(
+        trials=20, root=tmp_path, seed=7, log=lambda _: None, extra=["train.micro_batch_size=5"]
+    )
     assert result["kills"] == 20
     print(f"chaos: {result['kills']} kills over {result['runs']} runs: I1, I3, I4 held")
 

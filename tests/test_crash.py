@@ -95,6 +95,7 @@ def audit(run_dir: Path) -> subprocess.CompletedProcess[str]:
 
 PPO = (
     "algo.name=ppo", "algo.num_minibatches=2", "algo.kl_coef=0.05", "algo.critic_warmup_steps=3",
+    "train.micro_batch_size=5",  # minibatches of 8 sequences in micro-batches of 5 and 3
 )  # fmt: skip
 
 

@@ -34,10 +34,10 @@ DETERMINISTIC = [
 
 PPO = [
     "algo.name=ppo", "algo.ppo_epochs=2", "algo.num_minibatches=2", "algo.kl_coef=0.05",
-    "algo.critic_warmup_steps=2",
+    "algo.critic_warmup_steps=2", "train.micro_batch_size=3",
 ]  # fmt: skip
 """PPO with every piece that has state or draws randomness: critic, minibatch shuffles,
-reference policy, warm-up."""
+reference policy, warm-up; and each update accumulated over micro-batches."""
 
 
 def launch(

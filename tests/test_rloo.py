@@ -50,9 +50,9 @@ def test_rloo_steps_with_its_own_advantages_not_grpos(monkeypatch):
     seen = []
     real = grpo.ClippedPolicyLoss.__call__
 
-    def spy(self, logprobs, old, advantages, mask, weights=None):
+    def spy(self, logprobs, old, advantages, mask, weights=None, normaliser=None):
         seen.append(advantages.clone())
-        return real(self, logprobs, old, advantages, mask, weights)
+        return real(self, logprobs, old, advantages, mask, weights, normaliser)
 
     monkeypatch.setattr(grpo.ClippedPolicyLoss, "__call__", spy)
     parts = build_components(small_config("algo.name=rloo"))

@@ -14,14 +14,20 @@ import torch
 from asyncrl.algos.base import NoOptions, load_policy_state, policy_state
 from asyncrl.algos.update import (
     ReferencePolicy,
+    StepStats,
+    apply_gradients,
+    backward,
     batch_logprobs,
-    gradient_step,
+    micro_batches,
     regularise,
+    select,
     stack_groups,
+    to_device,
 )
 from asyncrl.core.advantages import group_advantages
-from asyncrl.core.losses import ClippedPolicyLoss
+from asyncrl.core.losses import ClippedPolicyLoss, normaliser_of
 from asyncrl.core.types import Group
+from asyncrl.models.device import autocast, model_device
 
 if TYPE_CHECKING:
     from asyncrl.config import Config
@@ -37,6 +43,9 @@ class GRPO:
         self.config = config.algo
         self.temperature = config.rollout.temperature
         self.pad_id = policy.pad_id
+        self.device = model_device(policy.model)
+        self.dtype = config.train.dtype
+        self.micro_batch_size = config.train.micro_batch_size
         # built before any checkpoint is loaded: a copy of the policy's initial weights
         self.reference = ReferencePolicy(policy.model) if config.algo.kl_coef > 0 else None
         self.loss_fn = ClippedPolicyLoss(clip_eps=config.algo.clip_eps)
@@ -50,33 +59,56 @@ class GRPO:
         return group_advantages(rewards)
 
     def step(self, groups: list[Group], step: int) -> dict[str, float]:
-        """One optimizer update on the step's groups; returns its metrics."""
-        batch = stack_groups(groups, self.pad_id)
+        """One optimizer update on the step's groups, accumulated over micro-batches of
+        `train.micro_batch_size` sequences; returns its metrics."""
+        batch = to_device(stack_groups(groups, self.pad_id), self.device)
         rewards, mask = batch["rewards"], batch["completion_mask"]
         advantages = self.advantages(rewards).reshape(-1, 1)  # [B, 1]
-        ref_logprobs = (
-            self.reference.logprobs(batch, self.temperature, self.pad_id)
-            if self.reference is not None
-            else None
-        )
+        normaliser = normaliser_of(mask)  # the step's real tokens: every micro-batch's divisor
         self.model.train()
-        logprobs, entropy = batch_logprobs(self.model, batch, self.temperature, self.pad_id)
-        loss, stats = self.loss_fn(logprobs, batch["behaviour_logprobs"], advantages, mask)
-        loss, extra = regularise(loss, logprobs, entropy, ref_logprobs, mask, self.config)
-        grad_norm = gradient_step(
-            loss, self.optimizer, self.model.parameters(), self.config.max_grad_norm
+        self.optimizer.zero_grad(set_to_none=True)
+        loss_total, stats = 0.0, StepStats()
+        for rows in micro_batches(len(mask), self.micro_batch_size):
+            part = select(batch, rows)
+            part_mask = part["completion_mask"]
+            with autocast(self.device, self.dtype):
+                ref_logprobs = (
+                    self.reference.logprobs(part, self.temperature, self.pad_id)
+                    if self.reference is not None
+                    else None
+                )
+                logprobs, entropy = batch_logprobs(
+                    self.model,
+                    part,
+                    self.temperature,
+                    self.pad_id,
+                    entropy_grad=self.config.entropy_coef > 0,
+                )
+            loss, loss_stats = self.loss_fn(
+                logprobs,
+                part["behaviour_logprobs"],
+                advantages[rows],
+                part_mask,
+                normaliser=normaliser,
+            )
+            loss, extra = regularise(
+                loss, logprobs, entropy, ref_logprobs, part_mask, self.config, normaliser
+            )
+            loss_total += backward(loss)
+            stats.add({**loss_stats, **extra}, float(part_mask.sum()))
+        grad_norm = apply_gradients(
+            self.optimizer, self.model.parameters(), self.config.max_grad_norm
         )
         group_std = rewards.std(dim=1, unbiased=False)
         return {
-            "loss": loss.item(),
+            "loss": loss_total,
             "reward_mean": float(rewards.mean()),
             "reward_std": float(rewards.std(unbiased=False)),
             "zero_variance_groups": float((group_std == 0).float().mean()),
             "grad_norm": grad_norm,
             "num_tokens": float(mask.sum()),
             "completion_len": float(mask.sum(1).float().mean()),
-            **stats,
-            **extra,
+            **stats.result(),
         }
 
     def policy_weights(self) -> dict[str, torch.Tensor]:

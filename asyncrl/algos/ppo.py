@@ -27,10 +27,15 @@ import torch
 from asyncrl.algos.base import load_policy_state, policy_state
 from asyncrl.algos.update import (
     ReferencePolicy,
+    StepStats,
+    apply_gradients,
+    backward,
     batch_logprobs,
-    gradient_step,
+    micro_batches,
     regularise,
+    select,
     stack_groups,
+    to_device,
 )
 from asyncrl.checkpoint.store import CheckpointError
 from asyncrl.config import ConfigError
@@ -41,10 +46,12 @@ from asyncrl.core.losses import (
     explained_variance,
     kl_estimate,
     masked_mean,
+    normaliser_of,
     truncated_is_weights,
 )
 from asyncrl.core.types import Group
 from asyncrl.models.critic import build_critic, completion_values
+from asyncrl.models.device import autocast, model_device, place
 
 if TYPE_CHECKING:
     from asyncrl.config import Config
@@ -61,15 +68,6 @@ def minibatches(
     entropy = int(np.random.SeedSequence([seed, step, epoch]).generate_state(1)[0])
     order = torch.randperm(num_samples, generator=torch.Generator().manual_seed(entropy))
     return list(order.tensor_split(num_minibatches))
-
-
-def select(batch: dict[str, Any], rows: torch.Tensor) -> dict[str, Any]:
-    """The rows `rows` of a stacked batch (per-sample tensors and the prompts list)."""
-    picked = rows.tolist()
-    out: dict[str, Any] = {"prompts": [batch["prompts"][i] for i in picked]}
-    for key in ("completion_ids", "completion_mask", "behaviour_logprobs"):
-        out[key] = batch[key][rows]
-    return out
 
 
 @dataclass
@@ -132,8 +130,12 @@ class PPO:
         algo = config.algo
         opt: PPOOptions = algo.options
         self.model = policy.model
+        self.device = model_device(policy.model)
+        self.dtype = config.train.dtype
+        self.micro_batch_size = config.train.micro_batch_size
         # built before any checkpoint is loaded: both copy the policy's initial weights
         self.critic = build_critic(policy, config.model, config.run.seed)
+        place(self.critic, self.device)
         self.reference = ReferencePolicy(policy.model) if algo.kl_coef > 0 else None
         self.config = algo
         self.options = opt
@@ -171,43 +173,74 @@ class PPO:
         self.critic_optimizer.load_state_dict(state["critic_optimizer"])
 
     def _logprobs(self, batch: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:
-        return batch_logprobs(self.model, batch, self.temperature, self.pad_id)
+        with autocast(self.device, self.dtype):
+            return batch_logprobs(
+                self.model,
+                batch,
+                self.temperature,
+                self.pad_id,
+                entropy_grad=self.config.entropy_coef > 0,
+            )
 
     def _values(self, batch: dict[str, Any]) -> torch.Tensor:
-        return completion_values(
-            self.critic,
-            batch["prompts"],
-            batch["completion_ids"],
-            batch["completion_mask"],
-            self.pad_id,
-        )
+        with autocast(self.device, self.dtype):
+            return completion_values(
+                self.critic,
+                batch["prompts"],
+                batch["completion_ids"],
+                batch["completion_mask"],
+                self.pad_id,
+            )
+
+    def _reference(self, batch: dict[str, Any]) -> torch.Tensor:
+        assert self.reference is not None
+        with autocast(self.device, self.dtype):
+            return self.reference.logprobs(batch, self.temperature, self.pad_id)
+
+    def _no_grad_pass(
+        self, batch: dict[str, Any], slices: list[slice]
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """pi_old, V_old and (with a KL penalty) the reference's log-probs of the whole step,
+        without a graph, a micro-batch at a time."""
+        logprobs, values, ref = [], [], []
+        with torch.no_grad():
+            for rows in slices:
+                part = select(batch, rows)
+                logprobs.append(self._logprobs(part)[0])
+                values.append(self._values(part))
+                if self.reference is not None:
+                    ref.append(self._reference(part))
+        return torch.cat(logprobs), torch.cat(values), (torch.cat(ref) if ref else None)
 
     def step(self, groups: list[Group], step: int) -> dict[str, float]:
         """One training step (`ppo_epochs * num_minibatches` updates of the critic, and of the
-        policy once past warm-up) on the step's groups; returns its metrics."""
+        policy once past warm-up) on the step's groups, each update accumulated over
+        micro-batches of `train.micro_batch_size` sequences; returns its metrics."""
         cfg, opt = self.config, self.options
-        batch = stack_groups(groups, self.pad_id)
+        batch = to_device(stack_groups(groups, self.pad_id), self.device)
         rewards, mask = batch["rewards"], batch["completion_mask"]
         self.model.train()
         self.critic.train()
         train_policy = step >= opt.critic_warmup_steps
+        slices = micro_batches(len(mask), self.micro_batch_size)
         reuse: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
-        if self.reuse_forward and opt.ppo_epochs == 1 and opt.num_minibatches == 1:
+        ref: torch.Tensor | None = None
+        if (
+            self.reuse_forward
+            and opt.ppo_epochs == 1
+            and opt.num_minibatches == 1
+            and len(slices) == 1
+        ):
             values = self._values(batch)
             with torch.set_grad_enabled(train_policy):
                 logprobs, entropy = self._logprobs(batch)
             reuse = values, logprobs, entropy
             old_values, old_logprobs = values.detach(), logprobs.detach()
+            if self.reference is not None:
+                with torch.no_grad():
+                    ref = self._reference(batch)
         else:
-            with torch.no_grad():
-                old_logprobs, _ = self._logprobs(batch)
-                old_values = self._values(batch)
-        with torch.no_grad():
-            ref = (
-                self.reference.logprobs(batch, self.temperature, self.pad_id)
-                if self.reference
-                else None
-            )
+            old_logprobs, old_values, ref = self._no_grad_pass(batch, slices)
         penalty = None
         if ref is not None and opt.kl_in_reward:
             penalty = cfg.kl_coef * kl_estimate(old_logprobs, ref, cfg.kl_estimator)
@@ -226,40 +259,57 @@ class PPO:
         totals: dict[str, list[float]] = defaultdict(list)
         for epoch in range(opt.ppo_epochs):
             for rows in minibatches(len(mask), opt.num_minibatches, self.seed, step, epoch):
-                part = select(batch, rows)
-                part_mask = part["completion_mask"]
-                values = reuse[0] if reuse else self._values(part)
-                value_loss, value_stats = self.value_loss(
-                    values, old_values[rows], returns[rows], part_mask
-                )
+                minibatch = select(batch, rows)
+                normaliser = normaliser_of(minibatch["completion_mask"])  # the update's tokens
+                self.critic_optimizer.zero_grad(set_to_none=True)
+                self.optimizer.zero_grad(set_to_none=True)
+                losses = {"loss": 0.0, "value_loss": 0.0, "policy_loss": 0.0}
+                stats = StepStats()
+                for micro in micro_batches(len(rows), self.micro_batch_size):
+                    part, part_rows = select(minibatch, micro), rows[micro]
+                    part_mask = part["completion_mask"]
+                    values = reuse[0] if reuse else self._values(part)
+                    value_loss, value_stats = self.value_loss(
+                        values,
+                        old_values[part_rows],
+                        returns[part_rows],
+                        part_mask,
+                        normaliser,
+                    )
+                    losses["value_loss"] += backward(value_loss, "value loss")
+                    with torch.set_grad_enabled(train_policy):
+                        logprobs, entropy = reuse[1:] if reuse else self._logprobs(part)
+                        loss, policy_stats = self.policy_loss(
+                            logprobs,
+                            old_logprobs[part_rows],
+                            advantages[part_rows],
+                            part_mask,
+                            is_weights[part_rows],
+                            normaliser,
+                        )
+                        losses["policy_loss"] += loss.item()
+                        use_ref = (
+                            ref[part_rows] if ref is not None and not opt.kl_in_reward else None
+                        )
+                        loss, extra = regularise(
+                            loss, logprobs, entropy, use_ref, part_mask, cfg, normaliser
+                        )
+                    losses["loss"] += backward(loss) if train_policy else loss.item()
+                    stats.add({**value_stats, **policy_stats, **extra}, float(part_mask.sum()))
                 totals["critic_grad_norm"].append(
-                    gradient_step(
-                        value_loss,
+                    apply_gradients(
                         self.critic_optimizer,
                         self.critic.parameters(),
                         cfg.max_grad_norm,
                         what="value loss",
                     )
                 )
-                with torch.set_grad_enabled(train_policy):
-                    logprobs, entropy = reuse[1:] if reuse else self._logprobs(part)
-                    loss, policy_stats = self.policy_loss(
-                        logprobs, old_logprobs[rows], advantages[rows], part_mask, is_weights[rows]
-                    )
-                    totals["policy_loss"].append(loss.item())
-                    use_ref = ref[rows] if ref is not None and not opt.kl_in_reward else None
-                    loss, extra = regularise(loss, logprobs, entropy, use_ref, part_mask, cfg)
                 if train_policy:
                     totals["grad_norm"].append(
-                        gradient_step(
-                            loss, self.optimizer, self.model.parameters(), cfg.max_grad_norm
-                        )
+                        apply_gradients(self.optimizer, self.model.parameters(), cfg.max_grad_norm)
                     )
-                totals["loss"].append(loss.item())
-                totals["value_loss"].append(value_loss.item())
-                for stats in (value_stats, policy_stats, extra):
-                    for key, value in stats.items():
-                        totals[key].append(value)
+                for key, value in {**losses, **stats.result()}.items():
+                    totals[key].append(value)
         metrics = {key: float(np.mean(values)) for key, values in totals.items()}
         if ref is not None and opt.kl_in_reward:
             metrics["kl_ref"] = float(

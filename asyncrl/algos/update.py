@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import hashlib
+import math
 from collections.abc import Iterable
 from typing import Any
 
@@ -12,7 +13,7 @@ import torch
 from transformers import PreTrainedModel
 
 from asyncrl.config import AlgoConfig
-from asyncrl.core.losses import kl_estimate, masked_mean
+from asyncrl.core.losses import kl_estimate, masked_mean, masked_sum, normaliser_of
 from asyncrl.core.types import Group
 from asyncrl.models.policy import completion_logprobs
 
@@ -40,10 +41,65 @@ def stack_groups(groups: list[Group], pad_id: int) -> dict[str, Any]:
     }
 
 
+def to_device(batch: dict[str, Any], device: torch.device) -> dict[str, Any]:
+    """A stacked batch with its tensors on `device` (the prompts stay a list of rows)."""
+    return {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
+
+
+def select(batch: dict[str, Any], rows: torch.Tensor | slice) -> dict[str, Any]:
+    """The rows `rows` (indices or a slice) of a stacked batch: its per-sample tensors and
+    prompts. Rewards ([N, G], per group) are not per sample and are left out."""
+    if isinstance(rows, slice):
+        prompts = batch["prompts"][rows]
+    else:
+        prompts = [batch["prompts"][i] for i in rows.tolist()]
+    out: dict[str, Any] = {"prompts": prompts}
+    for key in ("completion_ids", "completion_mask", "behaviour_logprobs"):
+        out[key] = batch[key][rows]
+    return out
+
+
+def micro_batches(num_rows: int, micro_batch_size: int) -> list[slice]:
+    """Consecutive row slices of at most `micro_batch_size` rows (0: one slice of all)."""
+    size = micro_batch_size or num_rows
+    return [slice(i, min(i + size, num_rows)) for i in range(0, num_rows, size)]
+
+
+class StepStats:
+    """Metrics of one optimizer step gathered over its micro-batches: token-weighted means,
+    except `*_max` (max) and `*_min` (min). With one micro-batch, exactly its own values."""
+
+    def __init__(self) -> None:
+        self._parts: list[tuple[dict[str, float], float]] = []
+
+    def add(self, stats: dict[str, float], num_tokens: float) -> None:
+        self._parts.append((stats, num_tokens))
+
+    def result(self) -> dict[str, float]:
+        if len(self._parts) == 1:
+            return dict(self._parts[0][0])
+        out: dict[str, float] = {}
+        for key in {k: None for stats, _ in self._parts for k in stats}:
+            values = [(stats[key], n) for stats, n in self._parts if key in stats]
+            if key.endswith("_max"):
+                out[key] = max(v for v, _ in values)
+            elif key.endswith("_min"):
+                out[key] = min(v for v, _ in values)
+            else:
+                weight = sum(n for _, n in values)
+                out[key] = sum(v * n for v, n in values) / weight if weight > 0 else 0.0
+        return out
+
+
 def batch_logprobs(
-    model: PreTrainedModel, batch: dict[str, Any], temperature: float, pad_id: int
+    model: PreTrainedModel,
+    batch: dict[str, Any],
+    temperature: float,
+    pad_id: int,
+    entropy_grad: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Log-probs and entropies [B, T] of a stacked batch's completion tokens under `model`."""
+    """Log-probs and entropies [B, T] of a stacked batch's completion tokens under `model`
+    (the entropy differentiable only with `entropy_grad`)."""
     logprobs, entropy = completion_logprobs(
         model,
         batch["prompts"],
@@ -52,6 +108,7 @@ def batch_logprobs(
         temperature,
         pad_id,
         with_entropy=True,
+        entropy_grad=entropy_grad,
     )
     assert entropy is not None
     return logprobs, entropy
@@ -64,20 +121,53 @@ def regularise(
     ref_logprobs: torch.Tensor | None,
     mask: torch.Tensor,
     config: AlgoConfig,
+    normaliser: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """Adds the KL penalty to the reference (when `ref_logprobs` is given) and subtracts the
-    entropy bonus; terms with a zero coefficient are not added at all (the loss stays
-    bit-identical to the bare surrogate)."""
-    stats = {}
-    mean_entropy = masked_mean(entropy, mask)
-    stats["entropy"] = float(mean_entropy.detach())
+    entropy bonus, each a masked sum over `normaliser` (the step's real tokens; default the
+    mask's); terms with a zero coefficient are not added at all (the loss stays bit-identical
+    to the bare surrogate). The stats are this micro-batch's token means."""
+    norm = normaliser_of(mask) if normaliser is None else normaliser
+    stats = {"entropy": float(masked_mean(entropy.detach(), mask))}
     if ref_logprobs is not None:
-        kl = masked_mean(kl_estimate(logprobs, ref_logprobs, config.kl_estimator), mask)
-        stats["kl_ref"] = float(kl.detach())
-        loss = loss + config.kl_coef * kl
+        kl = kl_estimate(logprobs, ref_logprobs, config.kl_estimator)
+        stats["kl_ref"] = float(masked_mean(kl.detach(), mask))
+        loss = loss + config.kl_coef * (masked_sum(kl, mask) / norm)
     if config.entropy_coef > 0:
-        loss = loss - config.entropy_coef * mean_entropy
+        loss = loss - config.entropy_coef * (masked_sum(entropy, mask) / norm)
     return loss, stats
+
+
+def backward(loss: torch.Tensor, what: str = "loss") -> float:
+    """Accumulates `loss`'s gradient (one micro-batch's share of the step's loss); raises
+    `NonFiniteLoss` before that if it is not finite. Returns its value."""
+    value = loss.item()
+    if not math.isfinite(value):
+        raise NonFiniteLoss(f"{what} is {value}; the step was not applied")
+    loss.backward()
+    return value
+
+
+def apply_gradients(
+    optimizer: torch.optim.Optimizer,
+    parameters: Iterable[torch.nn.Parameter],
+    max_grad_norm: float,
+    what: str = "loss",
+) -> float:
+    """Clips the accumulated gradient to `max_grad_norm` (0: no clipping), steps, and frees the
+    gradients (they take as much memory as the weights; nothing reads them between steps).
+    Returns the gradient norm; raises `NonFiniteLoss` before changing any weight if it is not
+    finite."""
+    params = list(parameters)
+    grad_norm = torch.nn.utils.clip_grad_norm_(params, max_grad_norm or float("inf"))
+    if not torch.isfinite(grad_norm):
+        optimizer.zero_grad(set_to_none=True)
+        raise NonFiniteLoss(
+            f"gradient norm of the {what} is {float(grad_norm)}; the step was not applied"
+        )
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return float(grad_norm)
 
 
 def gradient_step(
@@ -89,19 +179,10 @@ def gradient_step(
 ) -> float:
     """backward, clip to `max_grad_norm` (0: no clipping), step; returns the gradient norm.
     Raises `NonFiniteLoss` before changing any weight if the loss or the gradient is not
-    finite."""
-    if not torch.isfinite(loss):
-        raise NonFiniteLoss(f"{what} is {loss.item()}; the step was not applied")
-    params = list(parameters)
+    finite. (One micro-batch: `backward` then `apply_gradients`.)"""
     optimizer.zero_grad(set_to_none=True)
-    loss.backward()
-    grad_norm = torch.nn.utils.clip_grad_norm_(params, max_grad_norm or float("inf"))
-    if not torch.isfinite(grad_norm):
-        raise NonFiniteLoss(
-            f"gradient norm of the {what} is {float(grad_norm)}; the step was not applied"
-        )
-    optimizer.step()
-    return float(grad_norm)
+    backward(loss, what)
+    return apply_gradients(optimizer, parameters, max_grad_norm, what)
 
 
 def weights_sha256(model: torch.nn.Module) -> str:
@@ -109,7 +190,7 @@ def weights_sha256(model: torch.nn.Module) -> str:
     digest = hashlib.sha256()
     for name, tensor in sorted(model.state_dict().items()):
         digest.update(name.encode())
-        digest.update(tensor.detach().float().contiguous().numpy().tobytes())
+        digest.update(tensor.detach().float().cpu().contiguous().numpy().tobytes())
     return digest.hexdigest()[:16]
 
 

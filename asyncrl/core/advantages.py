@@ -21,7 +21,7 @@ def last_token(mask: torch.Tensor) -> torch.Tensor:
     """[B, T] bool: true at each row's last real token (where its episode ends). A row with no
     real token has none."""
     mask = mask.bool()
-    index = torch.arange(mask.shape[1]).expand_as(mask)
+    index = torch.arange(mask.shape[1], device=mask.device).expand_as(mask)
     last = torch.where(mask, index, -1).max(dim=1).values  # [B]
     return index == last.unsqueeze(1)
 
@@ -69,7 +69,7 @@ def whiten(values: torch.Tensor, mask: torch.Tensor, eps: float = 1e-8) -> torch
     mask = mask.bool()
     real = values[mask]
     mean = real.mean()
-    std = real.std(unbiased=False) if real.numel() > 1 else torch.zeros(())
+    std = real.std(unbiased=False) if real.numel() > 1 else values.new_zeros(())
     return torch.where(mask, (values - mean) / (std + eps), torch.zeros_like(values))
 
 
@@ -95,7 +95,7 @@ def ppo_advantages(
     if token_penalty is not None:
         rewards = rewards - token_penalty * real
     raw, returns = gae(
-        rewards, values * real, last_token(mask), torch.zeros(len(values)), gamma, lam
+        rewards, values * real, last_token(mask), values.new_zeros(len(values)), gamma, lam
     )
     raw, returns = raw * real, returns * real
     return (whiten(raw, mask) if normalize else raw), returns, raw

@@ -13,8 +13,29 @@ KLEstimator = Literal["k1", "k3"]
 
 def masked_mean(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """Mean of `values` over the positions where `mask` is true (token-level mean)."""
-    mask = mask.to(values.dtype)
-    return (values * mask).sum() / mask.sum().clamp(min=1.0)
+    return masked_sum(values, mask) / normaliser_of(mask)
+
+
+def masked_sum(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Sum of `values` over the positions where `mask` is true."""
+    return (values * mask.to(values.dtype)).sum()
+
+
+def normaliser_of(mask: torch.Tensor) -> torch.Tensor:
+    """The real tokens of `mask` (at least 1), as a float scalar: the token-mean's divisor.
+
+    Every loss is `masked_sum(per-token loss over a micro-batch) / normaliser` with the
+    normaliser of the whole optimizer step (STYLE.md rule 14), so the micro-batches' losses
+    add up to the step's token mean and their gradients to its gradient, however the step is
+    split. Computed exactly as `masked_mean` divides, so one micro-batch is bit-identical to
+    the plain mean."""
+    return mask.to(torch.float32).sum().clamp(min=1.0)
+
+
+def _divide(
+    total: torch.Tensor, mask: torch.Tensor, normaliser: torch.Tensor | None
+) -> torch.Tensor:
+    return total / (normaliser_of(mask) if normaliser is None else normaliser)
 
 
 @dataclass
@@ -38,13 +59,14 @@ class ClippedPolicyLoss:
         advantages: torch.Tensor,  # [B, T] or [B, 1]
         mask: torch.Tensor,  # [B, T] bool
         is_weights: torch.Tensor | None = None,  # [B, T], no gradient
+        normaliser: torch.Tensor | None = None,  # the step's real tokens; default: mask's
     ) -> tuple[torch.Tensor, dict[str, float]]:
         log_ratio = logprobs - old_logprobs
         ratio = torch.exp(log_ratio)
         clipped = ratio.clamp(1.0 - self.clip_eps, 1.0 + self.clip_eps)
         unweighted = torch.minimum(ratio * advantages, clipped * advantages)
         surrogate = unweighted if is_weights is None else is_weights * unweighted
-        loss = -masked_mean(surrogate, mask)
+        loss = -_divide(masked_sum(surrogate, mask), mask, normaliser)
         with torch.no_grad():
             was_clipped = (ratio * advantages != unweighted).float()
             approx_kl = (ratio - 1.0) - log_ratio  # k3 estimator of KL(old || current)
@@ -72,6 +94,7 @@ class ClippedValueLoss:
         old_values: torch.Tensor,  # [B, T] at the start of the step
         returns: torch.Tensor,  # [B, T]
         mask: torch.Tensor,  # [B, T] bool
+        normaliser: torch.Tensor | None = None,  # the step's real tokens; default: mask's
     ) -> tuple[torch.Tensor, dict[str, float]]:
         error = (values - returns) ** 2
         if self.clip_eps > 0:
@@ -81,7 +104,8 @@ class ClippedValueLoss:
             clip_frac = float(masked_mean((clipped_error > error).float(), mask))
         else:
             loss_per_token, clip_frac = error, 0.0
-        return 0.5 * masked_mean(loss_per_token, mask), {"value_clip_frac": clip_frac}
+        loss = 0.5 * _divide(masked_sum(loss_per_token, mask), mask, normaliser)
+        return loss, {"value_clip_frac": clip_frac}
 
 
 def kl_estimate(
@@ -109,7 +133,7 @@ def truncated_is_weights(
     with torch.no_grad():
         weights = torch.exp(proximal_logprobs - behaviour_logprobs)
         real = mask.bool()
-        raw = weights[real] if real.any() else torch.ones(1)
+        raw = weights[real] if real.any() else weights.new_ones(1)
         stats = {
             "is_ratio_mean": float(raw.mean()),
             "is_ratio_max": float(raw.max()),

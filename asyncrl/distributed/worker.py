@@ -34,6 +34,7 @@ from ray.exceptions import RayActorError
 from asyncrl.config import Config
 from asyncrl.distributed.weights import ObjectStoreWeightSync, from_numpy
 from asyncrl.faults import fault_point
+from asyncrl.models.device import DTYPES, resolve_device
 from asyncrl.rollout.engine import (
     EngineCapabilities,
     EngineSpec,
@@ -57,7 +58,8 @@ class GenerationWorker:
             torch.set_num_threads(torch_threads)
         # versions sent to this worker; the architecture's own weights (whatever `spec.model`
         # held) are never used under any version number
-        self.weights = CopyWeightSync(max_versions)
+        resolve_device("rollout.device", spec.device)
+        self.weights = CopyWeightSync(max_versions, spec.device, DTYPES[spec.dtype])
         self.engine = build_engine(engine_name, spec, self.weights)
 
     def generate(

@@ -17,6 +17,7 @@ import transformers
 from transformers import AutoConfig, AutoModelForTokenClassification, PreTrainedModel
 
 from asyncrl.config import ConfigError, ModelConfig
+from asyncrl.models.device import model_device
 from asyncrl.models.policy import Policy, join_completions
 
 
@@ -67,6 +68,8 @@ def completion_values(
     """V(s_t) [B, T]: the critic's value of the state before completion token t (the prompt and
     the tokens before t), read at the same positions the policy predicts token t from. Masked
     positions are 0."""
+    device = model_device(critic)
+    completion_ids, completion_mask = completion_ids.to(device), completion_mask.to(device)
     inputs, width = join_completions(prompts, completion_ids, completion_mask, pad_id)
     values = critic(**inputs, use_cache=False).logits[:, width - 1 : -1, 0].float()
     return values * completion_mask.to(values.dtype)

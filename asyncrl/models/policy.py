@@ -21,6 +21,7 @@ from transformers import (
 )
 
 from asyncrl.config import ConfigError, ModelConfig
+from asyncrl.models.device import model_device
 from asyncrl.models.tokenizer import build_char_tokenizer
 
 
@@ -119,9 +120,11 @@ def join_completions(
     pad_id: int,
 ) -> tuple[dict[str, torch.Tensor], int]:
     """Model inputs for prompt + completion rows (prompts left-padded, completions right-padded)
-    and the prompt width P: the output at position P-1+t is the one that sees the prompt and
-    completion tokens before t."""
+    on the completions' device, and the prompt width P: the output at position P-1+t is the
+    one that sees the prompt and completion tokens before t."""
     prompt_ids, prompt_mask = left_pad(prompts, pad_id)
+    device = completion_ids.device
+    prompt_ids, prompt_mask = prompt_ids.to(device), prompt_mask.to(device)
     attention = torch.cat([prompt_mask, completion_mask.long()], dim=1)
     inputs = {
         "input_ids": torch.cat([prompt_ids, completion_ids], dim=1),
@@ -129,6 +132,45 @@ def join_completions(
         "position_ids": position_ids(attention),
     }
     return inputs, prompt_ids.shape[1]
+
+
+LOGSOFTMAX_CHUNK_BYTES = 256 << 20
+"""The fp32 log-softmax of a batch's completion logits is computed this many bytes of rows at a
+time (at least one row), so no [B, T, V] fp32 matrix beyond the model's own logits exists at
+once outside autograd's saved tensors."""
+
+
+def chunk_rows(num_rows: int, row_elements: int, budget_bytes: int = LOGSOFTMAX_CHUNK_BYTES) -> int:
+    """Rows per chunk so that one chunk's fp32 [rows, T, V] fits in `budget_bytes`."""
+    return max(1, min(num_rows, budget_bytes // max(4 * row_elements, 1)))
+
+
+def chosen_logprobs(
+    logits: torch.Tensor,  # [B, T, V] any float dtype
+    tokens: torch.Tensor,  # [B, T]
+    temperature: float,
+    with_entropy: bool = False,
+    entropy_grad: bool = False,
+    budget_bytes: int = LOGSOFTMAX_CHUNK_BYTES,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The log-prob [B, T] of each chosen token under `softmax(logits / temperature)` in fp32,
+    and (`with_entropy`) each position's entropy [B, T], a chunk of rows at a time.
+
+    Row by row this is exactly `log_softmax(logits.float() / temperature).gather(tokens)`
+    (the same kernel on each row: bit-identical), but the fp32 log-softmax of only one chunk
+    exists at a time outside autograd. The entropy is computed without a graph unless
+    `entropy_grad` (it is a metric unless the loss has an entropy bonus), so its
+    `exp(logp) * logp` matrices are never kept for the backward pass."""
+    rows = chunk_rows(logits.shape[0], logits.shape[1] * logits.shape[2], budget_bytes)
+    chosen, entropies = [], []
+    for start in range(0, logits.shape[0], rows):
+        part = logits[start : start + rows].float() / temperature
+        logprobs = torch.log_softmax(part, dim=-1)
+        chosen.append(logprobs.gather(-1, tokens[start : start + rows].unsqueeze(-1)).squeeze(-1))
+        if with_entropy:
+            with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
+                entropies.append(-(logprobs.exp() * logprobs).sum(-1))
+    return torch.cat(chosen), (torch.cat(entropies) if with_entropy else None)
 
 
 def completion_logprobs(
@@ -139,14 +181,15 @@ def completion_logprobs(
     temperature: float,
     pad_id: int,
     with_entropy: bool = False,
+    entropy_grad: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Log-probs [B, T] of each completion token under `model` at `temperature`, from one
     full forward pass over prompt + completion, and (`with_entropy`) the entropy [B, T] of each
-    position's token distribution. Masked positions hold garbage; mask them."""
+    position's token distribution (differentiable only with `entropy_grad`). Inputs go to the
+    model's device. Masked positions hold garbage; mask them."""
+    completion_ids = completion_ids.to(model_device(model))
+    completion_mask = completion_mask.to(completion_ids.device)
     inputs, width = join_completions(prompts, completion_ids, completion_mask, pad_id)
     logits = model(**inputs).logits
-    logits = logits[:, width - 1 : -1].float() / temperature  # predicts completion tokens
-    logprobs = torch.log_softmax(logits, dim=-1)
-    chosen = logprobs.gather(-1, completion_ids.unsqueeze(-1)).squeeze(-1)
-    entropy = -(logprobs.exp() * logprobs).sum(-1) if with_entropy else None
-    return chosen, entropy
+    logits = logits[:, width - 1 : -1]  # predicts completion tokens
+    return chosen_logprobs(logits, completion_ids, temperature, with_entropy, entropy_grad)

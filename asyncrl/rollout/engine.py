@@ -61,6 +61,10 @@ class EngineSpec:
     pad_id: int
     max_new_tokens: int
     temperature: float
+    device: str = "cpu"
+    """Where the engine generates (`rollout.device`)."""
+    dtype: str = "float32"
+    """The engine's weights and compute (`rollout.dtype`)."""
 
 
 class GenerationEngine(Protocol):

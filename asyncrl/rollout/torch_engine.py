@@ -16,6 +16,7 @@ from typing import ClassVar
 
 import torch
 
+from asyncrl.models.device import DTYPES
 from asyncrl.models.policy import left_pad, position_ids
 from asyncrl.rollout.engine import (
     EngineCapabilities,
@@ -44,8 +45,10 @@ class TorchGenerationEngine:
     )
 
     def __init__(self, spec: EngineSpec, weights: WeightSource) -> None:
+        self.device = torch.device(spec.device)
         self._model = copy.deepcopy(spec.model).eval()
         self._model.requires_grad_(False)
+        self._model.to(device=self.device, dtype=DTYPES[spec.dtype])
         self.eos_id = spec.eos_id
         self.pad_id = spec.pad_id
         self.max_new_tokens = spec.max_new_tokens
@@ -63,9 +66,23 @@ class TorchGenerationEngine:
                 state = self.weights.get(wanted)
             except KeyError as err:
                 raise RuntimeError(err.args[0]) from None
-            self._model.load_state_dict(state, strict=True)
+            # the published copy becomes the model's weights: no second copy (tensors of
+            # another dtype or device than the model's are an error of the sync, not cast)
+            self._check_placement(state)
+            self._model.load_state_dict(state, strict=True, assign=True)
             self._loaded = wanted
         return wanted
+
+    def _check_placement(self, state: dict[str, torch.Tensor]) -> None:
+        expected = next(self._model.parameters())
+        for name, tensor in state.items():
+            if tensor.is_floating_point() and (
+                tensor.dtype != expected.dtype or tensor.device != expected.device
+            ):
+                raise RuntimeError(
+                    f"published weight {name} is {tensor.dtype} on {tensor.device}; this engine "
+                    f"runs {expected.dtype} on {expected.device} (rollout.dtype, rollout.device)"
+                )
 
     @torch.inference_mode()
     def generate(
@@ -83,8 +100,8 @@ class TorchGenerationEngine:
                 )
                 for r in requests
             ]
-        )
-        tokens, logprobs, mask = self._sample(prompts, uniforms)
+        ).to(self.device)  # drawn on the CPU: the same noise on every device
+        tokens, logprobs, mask = (t.cpu() for t in self._sample(prompts, uniforms))
         outputs, start = [], 0
         for r in requests:
             rows = slice(start, start + r.num_samples)
@@ -97,10 +114,10 @@ class TorchGenerationEngine:
     def _sample(
         self, prompts: list[list[int]], uniforms: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        input_ids, attention = left_pad(prompts, self.pad_id)
+        input_ids, attention = (t.to(self.device) for t in left_pad(prompts, self.pad_id))
         positions = position_ids(attention)
         batch = len(prompts)
-        finished = torch.zeros(batch, dtype=torch.bool)
+        finished = torch.zeros(batch, dtype=torch.bool, device=self.device)
         tokens, logprobs, masks = [], [], []
         out = self._model(
             input_ids=input_ids, attention_mask=attention, position_ids=positions, use_cache=True

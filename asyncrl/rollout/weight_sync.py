@@ -85,14 +85,20 @@ class KeptVersions:
 
 
 class CopyWeightSync:
-    """`backend=threads`: each version is a private copy (tied tensors stay tied) that the
-    engine in this process loads."""
+    """`backend=threads`: each version is a private copy (tied tensors stay tied), made
+    directly on the engine's device and in its dtype, that the engine in this process takes
+    as its weights (`load_state_dict(assign=True)`): the copy a version needs anyway is the
+    engine's model, so generation holds one set of weights per kept version, not two."""
 
-    def __init__(self, max_versions: int = 1) -> None:
+    def __init__(
+        self, max_versions: int = 1, device: str = "cpu", dtype: torch.dtype | None = None
+    ) -> None:
         self._kept = KeptVersions(max_versions)
+        self.device = torch.device(device)
+        self.dtype = dtype
 
     def publish(self, version: int, weights: Mapping[str, torch.Tensor]) -> None:
-        copied = clone_state(dict(weights))
+        copied = clone_state(dict(weights), self.device, self.dtype)
         self._kept.put(version, copied, copied if self._kept.max_versions > 1 else {})
 
     def newest(self) -> int:

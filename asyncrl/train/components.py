@@ -13,6 +13,7 @@ from asyncrl.core.buffer import Buffer, ReplayBuffer
 from asyncrl.core.ledger import Ledger
 from asyncrl.core.stream import PromptStream
 from asyncrl.core.types import PromptTicket
+from asyncrl.models.device import DTYPES, place, resolve_device
 from asyncrl.models.policy import Policy, load_policy
 from asyncrl.rollout.collector import Collector
 from asyncrl.rollout.engine import (
@@ -60,15 +61,25 @@ class Components:
 def build_components(config: Config, on_batch: OnBatch | None = None) -> Components:
     rollout = config.rollout
     check_capabilities(config, engine_class(rollout.engine).capabilities)
+    train_device = resolve_device("train.device", config.train.device)
+    if rollout.backend == "threads":  # on Ray the device is the workers' (checked there)
+        resolve_device("rollout.device", rollout.device)
     task = load_task(config.data)
     policy = load_policy(config.model, config.run.seed, task.alphabet())
+    place(policy.model, train_device)
     prompts = encode_prompts(task, policy.tokenizer, rollout.max_new_tokens, policy.max_seq_len)
     stream = PromptStream(len(task.examples), rollout.num_prompts_per_step, config.run.seed)
     ledger = Ledger(stream)
     # built before any checkpoint is loaded: a critic or reference copies the initial weights
     algo = algorithm_class(config.algo.name)(policy, config)
     spec = EngineSpec(
-        policy.model, policy.eos_id, policy.pad_id, rollout.max_new_tokens, rollout.temperature
+        policy.model,
+        policy.eos_id,
+        policy.pad_id,
+        rollout.max_new_tokens,
+        rollout.temperature,
+        rollout.device,
+        rollout.dtype,
     )
     shutdown: list[Callable[[], None]] = []
     buffer: Buffer
@@ -78,7 +89,7 @@ def build_components(config: Config, on_batch: OnBatch | None = None) -> Compone
         buffer, weights, engine = _ray_backend(config, spec, shutdown)
     else:
         buffer = ReplayBuffer(rollout.num_prompts_per_step, rollout.buffer_capacity)
-        weights = CopyWeightSync(config.kept_weight_versions)
+        weights = CopyWeightSync(config.kept_weight_versions, rollout.device, DTYPES[rollout.dtype])
         engine = build_engine(rollout.engine, spec, weights)
     weights.publish(0, algo.policy_weights())
     collector = Collector(

@@ -1,0 +1,129 @@
+"""Devices and precision: `train.device`/`rollout.device`, bf16 mixed precision with fp32
+master weights, the engine's weights in `rollout.dtype` held once.
+
+The `gpu` tests run the same on CUDA wherever it is present (conftest skips them elsewhere);
+the rest run on any machine."""
+
+from __future__ import annotations
+
+import json
+import struct
+
+import pytest
+import torch
+from helpers import groups_of, read_records, small_config
+
+from asyncrl.audit import audit_run_dir
+from asyncrl.config import ConfigError
+from asyncrl.models.device import resolve_device
+from asyncrl.train.components import build_components
+from asyncrl.train.trainer import train
+
+SHORT = ("model.hidden_size=32", "model.num_heads=2", "checkpoint.save_period=2")
+
+
+def safetensors_dtypes(path):
+    """The dtypes a safetensors file's header names (reads the header only)."""
+    with open(path, "rb") as f:
+        (size,) = struct.unpack("<Q", f.read(8))
+        header = json.loads(f.read(size))
+    return {v["dtype"] for k, v in header.items() if k != "__metadata__"}
+
+
+def test_a_device_this_machine_lacks_is_refused_naming_the_key():
+    with pytest.raises(ConfigError, match=r"train\.device: got 'tpu'"):
+        small_config("train.device=tpu")
+    with pytest.raises(ConfigError, match=r"rollout\.device"):
+        small_config("rollout.device=cuda:x")
+    if not torch.cuda.is_available():
+        with pytest.raises(ConfigError, match=r"train\.device: got 'cuda'.*is_available"):
+            resolve_device("train.device", "cuda")
+        with pytest.raises(ConfigError, match=r"rollout\.device: got 'cuda:1'"):
+            build_components(small_config("rollout.device=cuda:1"))
+
+
+def test_the_engine_runs_in_rollout_dtype_on_the_published_copy_itself():
+    """The sync casts once when it publishes, and the engine takes that copy as its weights:
+    one bf16 set of weights for generation, none in fp32 besides the trainer's."""
+    parts = build_components(small_config(*SHORT, "rollout.dtype=bfloat16"))
+    groups_of(parts, 1)  # the engine loads version 0
+    engine_params = dict(parts.engine._model.named_parameters())
+    published = parts.weights.get(parts.weights.newest())
+    assert {p.dtype for p in engine_params.values()} == {torch.bfloat16}
+    name = "model.layers.0.mlp.up_proj.weight"
+    assert engine_params[name].data_ptr() == published[name].data_ptr()
+    assert {p.dtype for p in parts.policy.model.parameters()} == {torch.float32}
+
+
+def test_mixed_precision_computes_in_bf16_and_keeps_fp32_master_weights():
+    """`train.dtype=bfloat16` changes the gradient (autocast is on) but not much, and leaves
+    weights, gradients and Adam moments in fp32."""
+    fp32 = build_components(small_config(*SHORT, "algo.max_grad_norm=0"))
+    groups = groups_of(fp32, 2)
+    for g in groups:
+        g.rewards = torch.tensor([1.0, 0.0, 0.5, 0.25])
+    bf16 = build_components(small_config(*SHORT, "algo.max_grad_norm=0", "train.dtype=bfloat16"))
+    grads = []
+    for parts in (fp32, bf16):
+        seen = {}
+
+        def record(optimizer, args, kwargs, seen=seen, model=parts.policy.model):
+            seen.update({n: p.grad.clone() for n, p in model.named_parameters()})
+
+        parts.algo.optimizer.register_step_pre_hook(record)
+        parts.algo.step(groups, 0)
+        grads.append(seen)
+    name = "model.layers.0.self_attn.q_proj.weight"
+    diff = float((grads[0][name] - grads[1][name]).norm() / grads[0][name].norm())
+    assert 0 < diff < 0.1, diff
+    assert all(g.dtype == torch.float32 for g in grads[1].values())
+    assert {p.dtype for p in bf16.policy.model.parameters()} == {torch.float32}
+    moments = [t for s in bf16.algo.optimizer.state.values() for t in s.values() if t.dim()]
+    assert moments and all(t.dtype == torch.float32 for t in moments)
+
+
+@pytest.mark.slow
+def test_a_bf16_run_with_micro_batches_checkpoints_fp32_weights_and_resumes(tmp_path):
+    keys = (*SHORT, "train.dtype=bfloat16", "rollout.dtype=bfloat16", "train.micro_batch_size=5")
+    run = tmp_path / "run"
+    train(small_config(*keys, "run.max_num_steps=4"), run)
+    train(small_config(*keys, "run.max_num_steps=6"), run)
+    records = read_records(run / "metrics.jsonl")
+    assert [r["step"] for r in records] == list(range(6))
+    assert all(torch.isfinite(torch.tensor(r["loss"])) for r in records)
+    assert audit_run_dir(run).ok
+    assert safetensors_dtypes(run / "checkpoints" / "step_000006" / "model.safetensors") == {"F32"}
+
+
+@pytest.mark.gpu
+def test_trainer_and_engine_on_cuda_train_checkpoint_and_resume(tmp_path):
+    keys = (
+        *SHORT,
+        "train.device=cuda",
+        "rollout.device=cuda",
+        "train.dtype=bfloat16",
+        "rollout.dtype=bfloat16",
+        "train.micro_batch_size=6",
+    )
+    run = tmp_path / "run"
+    train(small_config(*keys, "run.max_num_steps=4"), run)
+    train(small_config(*keys, "run.max_num_steps=6"), run)
+    records = read_records(run / "metrics.jsonl")
+    assert [r["step"] for r in records] == list(range(6))
+    assert audit_run_dir(run).ok
+    parts = build_components(small_config(*keys))
+    assert next(parts.policy.model.parameters()).is_cuda
+    groups = groups_of(parts, 2)
+    assert all(g.completion_ids.device.type == "cpu" for g in groups)  # the buffer stays on CPU
+    assert next(parts.engine._model.parameters()).is_cuda
+    metrics = parts.algo.step(groups, 0)
+    assert torch.isfinite(torch.tensor(metrics["loss"]))
+
+
+@pytest.mark.gpu
+def test_ppo_on_cuda_with_micro_batches_steps(tmp_path):
+    keys = (*SHORT, "algo.name=ppo", "train.device=cuda", "train.micro_batch_size=3")
+    parts = build_components(small_config(*keys, "algo.kl_coef=0.1", "algo.num_minibatches=2"))
+    metrics = parts.algo.step(groups_of(parts, 2), 0)
+    assert torch.isfinite(torch.tensor(metrics["loss"]))
+    assert next(parts.algo.critic.parameters()).is_cuda
