@@ -26,7 +26,8 @@ FROZEN_CONFIG_KEYS = [
     "rollout.num_prompts_per_step", "rollout.num_generations_per_prompt",
     "rollout.max_new_tokens", "rollout.temperature", "rollout.max_trajectory_age_steps",
     "rollout.max_generation_failures", "rollout.groups_per_batch", "rollout.engine",
-    "rollout.backend", "rollout.num_workers",
+    "rollout.backend", "rollout.num_workers", "rollout.device", "rollout.dtype",
+    "train.device", "train.dtype", "train.micro_batch_size",
     "algo.name", "algo.lr", "algo.weight_decay", "algo.max_grad_norm", "algo.clip_eps",
     "algo.kl_coef", "algo.kl_estimator", "algo.entropy_coef",
     # the `ppo` algorithm's own keys (asyncrl/algos/ppo.py PPOOptions)

@@ -97,9 +97,9 @@ def test_a_nan_loss_stops_the_run_and_is_never_checkpointed(tmp_path, monkeypatc
     real = grpo.ClippedPolicyLoss.__call__
     calls = {"n": 0}
 
-    def poisoned(self, *args):
+    def poisoned(self, *args, **kwargs):
         calls["n"] += 1
-        loss, stats = real(self, *args)
+        loss, stats = real(self, *args, **kwargs)
         return (loss * torch.nan if calls["n"] == 4 else loss), stats
 
     monkeypatch.setattr(grpo.ClippedPolicyLoss, "__call__", poisoned)
