@@ -272,3 +272,48 @@ def test_an_incoherent_newest_checkpoint_is_neither_kept_as_newest_nor_in_the_wa
         state = json.loads((checkpoints / f"step_{step:06d}" / "state.json").read_text())
         assert [0, 0] not in state["parts"]["ledger"]["in_flight"]
     assert audit_run_dir(run).ok
+
+
+def count_hashed_files(monkeypatch) -> list[str]:
+    """Records every file the store re-reads to hash (not the manifests it parses)."""
+    import asyncrl.checkpoint.store as store_module
+
+    hashed: list[str] = []
+    real = store_module._hash_regular
+
+    def spy(file):
+        hashed.append(f"{file.parent.name}/{file.name}")
+        return real(file)
+
+    monkeypatch.setattr(store_module, "_hash_regular", spy)
+    return hashed
+
+
+def test_retention_does_not_rehash_the_checkpoints_this_store_wrote(tmp_path, monkeypatch):
+    hashed = count_hashed_files(monkeypatch)
+    store = CheckpointStore(tmp_path, run_id="r1")
+    for step in (1, 2, 3):
+        save_steps(store, step)
+        store.verify_saved(tmp_path / f"step_{step:06d}", step)
+        store.retain(keep_last=5)
+    assert hashed == []  # each file was hashed while it was written, and never read back
+    CheckpointStore(tmp_path, run_id="r1").retain(keep_last=5)  # unknown: hashed once
+    assert sorted(hashed) == [f"step_00000{s}/{f}" for s in (1, 2, 3) for f in ("a.bin", "b.bin")]
+    assert store.latest()[0].step == 3  # a resume still re-hashes what it loads
+    assert hashed[-2:] == ["step_000003/a.bin", "step_000003/b.bin"]
+
+
+def test_retention_stops_trusting_a_kept_checkpoint_whose_manifest_or_files_changed(tmp_path):
+    store = CheckpointStore(tmp_path, run_id="r1")
+    save_steps(store, 1, 2, 3, 4)
+    step3 = tmp_path / "step_000003"
+    list_in_manifest(step3, "a.bin", b"something else")  # a manifest edited behind our back
+    (tmp_path / "step_000004" / "b.bin").write_bytes(b"\x01" * 4)  # same size, new bytes
+    os.utime(tmp_path / "step_000004" / "b.bin", ns=(1, 1))  # and a new mtime
+    deleted = store.retain(keep_last=1)  # neither 4 nor 3 verifies: 2 is the newest kept
+    assert sorted(p.name for p in deleted) == ["step_000001"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "step_000002",
+        "step_000003",
+        "step_000004",
+    ]

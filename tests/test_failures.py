@@ -124,7 +124,7 @@ def test_a_full_disk_during_a_save_stops_the_run_and_keeps_the_previous_checkpoi
         calls["n"] += 1
         if calls["n"] == 6:  # the second checkpoint's second file
             raise OSError(errno.ENOSPC, "No space left on device", str(path))
-        real(path, data)
+        return real(path, data)
 
     monkeypatch.setattr(store_module, "_write_synced", write)
     run = tmp_path / "run"

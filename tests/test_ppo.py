@@ -112,25 +112,36 @@ def test_one_update_per_step_reuses_its_forward_passes_with_the_same_numbers():
 
 
 def test_a_checkpoint_holds_the_critic_as_it_was_at_the_cut(tmp_path, monkeypatch):
-    """The writer encodes in the background while the next step updates the critic in place:
-    the snapshot must own a copy."""
-    from asyncrl.checkpoint.writer import CheckpointWriter
+    """The critic and its optimizer are copied in the background while the next step runs,
+    and written later still: the files must hold them as they were at the cut."""
+    from safetensors.torch import load_file
 
-    captured = []
-    submit = CheckpointWriter.submit
+    from asyncrl.train.trainer import Trainer
 
-    def capture(self, step, snapshot, info):
-        frozen = {k: v.clone() for k, v in snapshot.parts["algorithm"]["critic"].items()}
-        captured.append((snapshot, frozen))
-        submit(self, step, snapshot, info)
+    at_cut = []
+    capture = Trainer.capture
 
-    monkeypatch.setattr(CheckpointWriter, "submit", capture)
-    config = small_config("algo.name=ppo", "run.max_num_steps=4", "checkpoint.save_period=2")
+    def remember(self):
+        critic = {k: v.detach().clone() for k, v in self.parts.algo.critic.state_dict().items()}
+        moments = self.parts.algo.critic_optimizer.state_dict()["state"]
+        at_cut.append((self.step, critic, {i: s["exp_avg"].clone() for i, s in moments.items()}))
+        return capture(self)
+
+    monkeypatch.setattr(Trainer, "capture", remember)
+    config = small_config(
+        "algo.name=ppo", "run.max_num_steps=4", "checkpoint.save_period=2", "checkpoint.keep_last=5"
+    )
     train(config, tmp_path / "run")
-    snapshot, frozen = captured[0]  # the cut at step 2; steps 2 and 3 trained after it
-    critic = snapshot.parts["algorithm"]["critic"]
-    assert all(torch.equal(critic[k], v) for k, v in frozen.items())
-    assert snapshot.parts["algorithm"]["critic_optimizer"]["state"]
+    step, critic, exp_avg = at_cut[0]  # the cut at step 2; steps 2 and 3 trained after it
+    assert step == 2 and exp_avg
+    saved = load_file(tmp_path / "run" / "checkpoints" / "step_000002" / "state.safetensors")
+    later = load_file(tmp_path / "run" / "checkpoints" / "step_000004" / "state.safetensors")
+    for name, value in critic.items():
+        assert torch.equal(saved[f"algorithm/critic/{name}"], value), name
+    for i, value in exp_avg.items():
+        assert torch.equal(saved[f"algorithm/critic_optimizer/state/{i}/exp_avg"], value)
+    # the control: training went on, so the next checkpoint's critic differs
+    assert any(not torch.equal(later[f"algorithm/critic/{k}"], v) for k, v in critic.items())
 
 
 def test_a_grpo_checkpoint_forced_onto_ppo_is_refused_with_the_reason(tmp_path):

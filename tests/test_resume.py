@@ -75,3 +75,49 @@ def test_a_second_launch_on_a_run_dir_in_use_is_refused_naming_the_holder(tmp_pa
         open_run_dir(tmp_path / "run", config)
     held.lock.close()
     open_run_dir(tmp_path / "run", config).lock.close()  # free again once the holder is gone
+
+
+def test_a_resume_decodes_the_checkpoint_once_and_keeps_no_copy_of_it(tmp_path, monkeypatch):
+    import gc
+    import weakref
+
+    import asyncrl.checkpoint.snapshot as snapshot_module
+    import asyncrl.train.trainer as trainer_module
+    from asyncrl.train.rundir import open_run_dir
+    from asyncrl.train.trainer import Trainer
+
+    run = tmp_path / "run"
+    train(small_config("run.max_num_steps=2"), run)
+    files_read: list[int] = []
+    read_tensors = snapshot_module.read_tensors
+
+    def counting(f, num_bytes):
+        files_read.append(num_bytes)
+        return read_tensors(f, num_bytes)
+
+    monkeypatch.setattr(snapshot_module, "read_tensors", counting)
+    decoded: list[weakref.ref] = []
+    decode = trainer_module.decode
+
+    def remembering(verified):
+        snapshot = decode(verified)
+        decoded.append(weakref.ref(snapshot))
+        decoded.extend(weakref.ref(t) for t in snapshot.parts["model"].values())
+        return snapshot
+
+    monkeypatch.setattr(trainer_module, "decode", remembering)
+    config = small_config("run.max_num_steps=3")
+    opened = open_run_dir(run, config)
+    assert files_read == []  # the config comparison read state.json only
+    trainer = Trainer(config, opened)
+    try:
+        trainer.resume()
+        assert len(files_read) == 2  # model.safetensors and state.safetensors, once each
+        gc.collect()
+        assert len(decoded) > 1 and all(ref() is None for ref in decoded)
+    finally:
+        trainer.close()
+        trainer.parts.shutdown()
+        opened.lock.close()
+    (resume,) = [e for e in read_records(run / "events.jsonl") if e["event"] == "resume"]
+    assert resume["from_step"] == 2 and 0 < resume["load_s"] < 60

@@ -4,6 +4,7 @@ cut whose parts do not fit together is refused."""
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import json
 import pickle
@@ -14,7 +15,7 @@ import torch
 from helpers import small_config
 from safetensors import safe_open
 
-from asyncrl.checkpoint.snapshot import Snapshot, check_cut, decode, encode, read_parts, stage
+from asyncrl.checkpoint.snapshot import Snapshot, check_cut, decode, encode, read_parts
 from asyncrl.checkpoint.store import CheckpointError, CheckpointStore
 from asyncrl.rollout.collector import make_group, noise_seed
 from asyncrl.rollout.engine import GenerationRequest
@@ -68,7 +69,7 @@ def assert_same(got: Any, want: Any, path: str = "") -> None:
 @pytest.mark.parametrize("algo", ["grpo", "ppo", "rloo"])
 def test_every_part_of_a_real_cut_round_trips_through_the_files_bit_for_bit(tmp_path, algo):
     trainer = tiny_trainer(tmp_path, algo)
-    snapshot, _ = trainer.capture()
+    snapshot = trainer.capture()[0].snapshot()
     assert list(snapshot.parts) == [
         "trainer", "model", "algorithm", "rng", "stream", "ledger", "buffer", "generation",
     ]  # fmt: skip
@@ -93,11 +94,11 @@ def test_every_part_of_a_real_cut_round_trips_through_the_files_bit_for_bit(tmp_
 def test_a_snapshot_loaded_into_a_fresh_run_captures_the_same_state(tmp_path):
     trainer = tiny_trainer(tmp_path / "a", "ppo")
     trainer.step = 1  # as after step 0: version 1 is the newest, version 0 an older one
-    snapshot, _ = trainer.capture()
+    snapshot = trainer.capture()[0].snapshot()
     config = trainer.config
     fresh = Trainer(config, open_run_dir(tmp_path / "b", config))
     fresh.restore(snapshot)
-    again, _ = fresh.capture()
+    again = fresh.capture()[0].snapshot()
     for name in ("model", "algorithm", "stream", "buffer", "generation"):
         assert_same(again.parts[name], snapshot.parts[name], name)
     # in-flight tickets went to the re-dispatch queue, and are saved as in flight again
@@ -106,8 +107,8 @@ def test_a_snapshot_loaded_into_a_fresh_run_captures_the_same_state(tmp_path):
 
 def test_the_snapshot_owns_a_copy_of_what_the_next_step_updates_in_place(tmp_path):
     trainer = tiny_trainer(tmp_path, "ppo")
-    snapshot, _ = trainer.capture()
-    frozen = stage(snapshot.parts)
+    snapshot = trainer.capture()[0].snapshot()
+    frozen = copy.deepcopy(snapshot.parts)
     with torch.no_grad():
         for model in (trainer.parts.policy.model, trainer.parts.algo.critic):
             for p in model.parameters():
@@ -123,7 +124,7 @@ def test_a_planted_pickle_payload_never_runs(tmp_path):
             return (open, (str(marker), "w"))
 
     store = CheckpointStore(tmp_path / "ckpt", run_id="r1")
-    store.save(3, encode(tiny_trainer(tmp_path).capture()[0]), "h")
+    store.save(3, tiny_trainer(tmp_path).capture()[0].files(), "h")
     step_dir = tmp_path / "ckpt" / "step_000003"
     # An attacker swaps the weights for a pickle and fixes up the manifest to match.
     evil = pickle.dumps(Payload())
@@ -145,7 +146,7 @@ def test_a_planted_pickle_payload_never_runs(tmp_path):
 
 
 def test_a_cut_whose_parts_do_not_fit_together_is_refused(tmp_path):
-    snapshot: Snapshot = tiny_trainer(tmp_path).capture()[0]
+    snapshot: Snapshot = tiny_trainer(tmp_path).capture()[0].snapshot()
     parts = snapshot.parts
     check_cut(parts, num_prompts_per_step=4, capacity=8)  # the real cut is coherent
     store = CheckpointStore(tmp_path / "ckpt", run_id="r1")

@@ -15,6 +15,10 @@ Files of a checkpoint directory (format 2):
                         replaced by {"__tensor__": NAME}}, "config": the run's config}
 Nothing is a pickle: loading a checkpoint cannot execute code (DESIGN.md I7). Format 1
 checkpoints are read by `asyncrl.checkpoint.legacy`.
+
+Tensor files are streamed both ways (`asyncrl.checkpoint.tensorfile`): written from the
+tensors, read into fresh tensors while they are hashed; no whole file is ever one `bytes`.
+A run stages its cut with `asyncrl.checkpoint.staging`; `encode` writes a `Snapshot` as is.
 """
 
 from __future__ import annotations
@@ -27,12 +31,10 @@ from typing import Any, Protocol
 import numpy as np
 import torch
 from safetensors import SafetensorError, safe_open
-from safetensors.torch import load as load_tensors
-from safetensors.torch import save as save_tensors
 
 from asyncrl.checkpoint.legacy import json_parts_from_v1, parts_from_v1
-from asyncrl.checkpoint.store import FORMAT_VERSION, CheckpointError, Verified
-from asyncrl.core.tensors import clone_state
+from asyncrl.checkpoint.store import FORMAT_VERSION, CheckpointError, FileSource, Verified
+from asyncrl.checkpoint.tensorfile import read_tensors, tensor_writer
 
 FILES = ("model.safetensors", "state.safetensors", "state.json")
 """Every checkpoint holds exactly these (plus manifest.json)."""
@@ -80,15 +82,6 @@ class RNGState:
         torch.set_rng_state(state["torch"])
 
 
-def stage(state: Any) -> Any:
-    """A private copy of a part's state: tensors cloned (those that shared memory still share
-    it), everything else deep-copied. The trainer goes on updating the originals in place
-    while the copy is written in the background."""
-    tensors: dict[str, torch.Tensor] = {}
-    tree = _flatten(state, "", tensors, {})
-    return _unflatten(tree, clone_state(tensors))
-
-
 # --- the tree codec: nested dicts/lists/tuples of tensors and JSON values <-> JSON + tensors
 
 
@@ -123,38 +116,46 @@ def _flatten(
     raise TypeError(f"{path or 'state'}: a {type(value).__name__} cannot go into a checkpoint")
 
 
+def flatten_part(name: str, state: Any, tensors: dict[str, torch.Tensor]) -> Any:
+    """Part `name`'s state as a JSON tree (a new one: nothing of `state` but its tensors is
+    shared), adding its tensors to `tensors` (the live ones, not copied) under the names its
+    file stores them by: their own for the model part, `PART/PATH` otherwise. A tensor stored
+    under two names (tied weights) is added once."""
+    return _flatten(state, "" if name == MODEL_PART else name, tensors, {})
+
+
 def _join(path: str, key: str) -> str:
     return f"{path}/{key}" if path else key
 
 
-def _unflatten(tree: Any, tensors: dict[str, torch.Tensor]) -> Any:
+def unflatten(tree: Any, tensors: dict[str, torch.Tensor]) -> Any:
     if isinstance(tree, dict):
         if "__tensor__" in tree:
             return tensors[tree["__tensor__"]]
         if "__items__" in tree:
-            return {k: _unflatten(v, tensors) for k, v in tree["__items__"]}
+            return {k: unflatten(v, tensors) for k, v in tree["__items__"]}
         if "__tuple__" in tree:
-            return tuple(_unflatten(v, tensors) for v in tree["__tuple__"])
-        return {k: _unflatten(v, tensors) for k, v in tree.items()}
+            return tuple(unflatten(v, tensors) for v in tree["__tuple__"])
+        return {k: unflatten(v, tensors) for k, v in tree.items()}
     if isinstance(tree, list):
-        return [_unflatten(v, tensors) for v in tree]
+        return [unflatten(v, tensors) for v in tree]
     return tree
 
 
-def encode(snapshot: Snapshot) -> dict[str, bytes]:
-    """The checkpoint files of a snapshot, as bytes (format 2)."""
+def encode(snapshot: Snapshot) -> dict[str, FileSource]:
+    """The checkpoint files of a snapshot (format 2) as `CheckpointStore.save` takes them:
+    tensor files streamed straight from the snapshot's tensors (which must not change until
+    they are written), state.json as bytes."""
     model_tensors: dict[str, torch.Tensor] = {}
     tensors: dict[str, torch.Tensor] = {}
-    parts = {}
-    for name, state in snapshot.parts.items():
-        if name == MODEL_PART:
-            parts[name] = _flatten(state, "", model_tensors, {})
-        else:
-            parts[name] = _flatten(state, name, tensors, {})
+    parts = {
+        name: flatten_part(name, state, model_tensors if name == MODEL_PART else tensors)
+        for name, state in snapshot.parts.items()
+    }
     state_json = {"format_version": FORMAT_VERSION, "parts": parts, "config": snapshot.config}
     return {
-        "model.safetensors": save_tensors(model_tensors),
-        "state.safetensors": save_tensors(tensors),
+        "model.safetensors": tensor_writer(model_tensors),
+        "state.safetensors": tensor_writer(tensors),
         "state.json": json.dumps(state_json).encode(),
     }
 
@@ -185,18 +186,21 @@ def read_parts(verified: Verified) -> tuple[dict[str, Any], dict[str, Any]]:
 
 
 def decode(verified: Verified) -> Snapshot:
-    """Reads a verified checkpoint back into a Snapshot."""
+    """Reads a verified checkpoint back into a Snapshot. Each tensor file is read once, in
+    chunks, straight into the tensors it holds while the same bytes are hashed
+    (`Verified.read_with`): one copy of the state in memory, and a file changed since
+    verification is refused."""
     state = read_state(verified)
     try:
-        model = load_tensors(verified.read_bytes("model.safetensors"))
-        tensors = load_tensors(verified.read_bytes("state.safetensors"))
-    except (KeyError, ValueError, SafetensorError) as err:
+        model = verified.read_with("model.safetensors", read_tensors)
+        tensors = verified.read_with("state.safetensors", read_tensors)
+    except (KeyError, ValueError, OSError) as err:
         raise CheckpointError(f"{verified.path}: tensors unreadable ({err})") from None
     try:
         if format_version(verified) == 1:
             return Snapshot(parts_from_v1(state, model, tensors), state["config"])
         parts = {
-            name: _unflatten(tree, model if name == MODEL_PART else tensors)
+            name: unflatten(tree, model if name == MODEL_PART else tensors)
             for name, tree in state["parts"].items()
         }
         return Snapshot(parts, state["config"])

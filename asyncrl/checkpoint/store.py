@@ -5,14 +5,24 @@ is fsynced; `manifest.json` (format version, size and SHA-256 of every file, run
 hash) is written
 and fsynced last; the directory is fsynced, renamed to `checkpoints/step_NNNNNN`, and the parent
 directory is fsynced. A kill at any instant leaves either no `step_NNNNNN` or a complete one.
+A file is given as bytes or as a writer callback that streams it; either way its SHA-256 and
+size are computed from the bytes as they are written, never by reading the file back.
 
 Read protocol (`latest`): candidates newest first; a directory is loadable only if its manifest
 parses, is of a format version this asyncrl reads, names this run and its step, every entry is a
 plain file name of a regular file directly inside the directory (no path, no symlink: I7) with
-the listed size and SHA-256, and the store's `check` (a run dir's: the snapshot decodes and its
-parts fit together) accepts it. The first such one wins; every rejected one is reported with
+the listed size and SHA-256, and the store's `check` (a run dir's: state.json and the tensor
+headers fit together) accepts it. The first such one wins; every rejected one is reported with
 the reason. A checkpoint of an unknown format version stops the search instead
 (`UnsupportedCheckpointFormat`): falling back to an older one would throw away newer work.
+`latest` always re-reads and re-hashes every file of the checkpoint it returns, and the reader
+(`Verified.open`) hashes again what it loads.
+
+What is trusted without re-hashing: a checkpoint this store wrote, or fully verified, in this
+process, as long as its manifest's bytes and each file's inode, size and mtime are unchanged
+(`retain` and the writer's post-save check, `verify(..., rehash=False)`, rely on this). A file
+changed behind that (same size and mtime, new bytes) is caught when a resume loads it, exactly
+as a change after the last retention pass always was.
 """
 
 from __future__ import annotations
@@ -24,10 +34,10 @@ import re
 import shutil
 import stat
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO, TypeVar
 
 from asyncrl.faults import fault_point
 
@@ -41,6 +51,12 @@ SUPPORTED_FORMAT_VERSIONS = (1, 2)
 """The versions this asyncrl reads (`Verified.format_version` says which one a checkpoint is)."""
 MANIFEST = "manifest.json"
 _STEP_DIR = re.compile(r"^step_(\d{6,})$")
+_HASH_CHUNK_BYTES = 16 << 20
+T = TypeVar("T")
+
+FileSource = bytes | Callable[[Any], None]
+"""One file of a save: its bytes, or a callback that streams them with `write(data)` calls to
+the file object it is given (the store hashes and counts what passes through)."""
 
 
 class CheckpointError(RuntimeError):
@@ -63,10 +79,10 @@ def _check_name(path: Path, name: object) -> str:
     return name
 
 
-def _read_regular(file: Path) -> bytes:
-    """The bytes of `file`, refusing a symlink or anything but a regular file (opened with
-    O_NOFOLLOW and checked on the open descriptor, so a swap after the check cannot redirect
-    the read)."""
+def _open_regular(file: Path) -> tuple[int, os.stat_result]:
+    """An open descriptor of `file` and its stat, refusing a symlink or anything but a regular
+    file (opened with O_NOFOLLOW and checked on the open descriptor, so a swap after the check
+    cannot redirect the read)."""
     try:
         fd = os.open(file, os.O_RDONLY | os.O_NOFOLLOW)
     except FileNotFoundError:
@@ -78,13 +94,38 @@ def _read_regular(file: Path) -> bytes:
                 "unusable (move it out of checkpoints/)"
             ) from None
         raise CheckpointError(f"{file}: unreadable ([Errno {err.errno}] {err.strerror})") from None
-    try:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            raise CheckpointError(f"{file}: not a regular file; the checkpoint is unusable")
-        with os.fdopen(fd, "rb", closefd=False) as f:
-            return f.read()
-    finally:
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode):
         os.close(fd)
+        raise CheckpointError(f"{file}: not a regular file; the checkpoint is unusable")
+    return fd, st
+
+
+def _read_regular(file: Path) -> bytes:
+    """The bytes of `file` (a small one: the manifest, state.json), as `_open_regular` opens
+    it."""
+    fd, _ = _open_regular(file)
+    with os.fdopen(fd, "rb") as f:
+        return f.read()
+
+
+def _hash_regular(file: Path) -> tuple[str, int, os.stat_result]:
+    """SHA-256 and size of `file`, read in chunks (never the whole file in memory), and its
+    stat, as `_open_regular` opens it."""
+    fd, st = _open_regular(file)
+    digest = hashlib.sha256()
+    num_bytes = 0
+    chunk = memoryview(bytearray(_HASH_CHUNK_BYTES))
+    with os.fdopen(fd, "rb", buffering=0) as f:
+        while n := f.readinto(chunk):
+            digest.update(chunk[:n])
+            num_bytes += n
+    return digest.hexdigest(), num_bytes, st
+
+
+def _stat_key(st: os.stat_result) -> tuple[int, int, int, int]:
+    """What must not change for a file this process hashed to stay trusted."""
+    return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
 
 
 @dataclass(frozen=True)
@@ -101,16 +142,34 @@ class Verified:
     def read_bytes(self, name: str) -> bytes:
         """A file's bytes, re-checked against the manifest (the disk may change after
         verification). Only names the manifest lists: never a path, never a symlink."""
+
+        def whole(f: BinaryIO, num_bytes: int) -> tuple[bytes, str]:
+            data = f.read()
+            return data, hashlib.sha256(data).hexdigest()
+
+        return self.read_with(name, whole)
+
+    def read_with(self, name: str, parse: Callable[[BinaryIO, int], tuple[T, str]]) -> T:
+        """What `parse(file, num_bytes)` makes of a file, re-checked against the manifest: it
+        returns its result and the SHA-256 of the bytes it read, and a digest other than the
+        manifest's is a `CheckpointError` ("changed after verification"). The file is opened
+        once (never a path outside the directory, never a symlink), so the bytes hashed are
+        the bytes parsed, whatever happens to the path meanwhile. Only names the manifest
+        lists."""
         entry = self.manifest["files"].get(name) if isinstance(name, str) else None
         if entry is None:
             raise CheckpointError(
                 f"{self.path / str(name)}: not a file the manifest lists; a checkpoint reads only "
                 "its verified files"
             )
-        data = _read_regular(self.path / _check_name(self.path, name))
-        if hashlib.sha256(data).hexdigest() != entry["sha256"]:
+        fd, st = _open_regular(self.path / _check_name(self.path, name))
+        with os.fdopen(fd, "rb", buffering=0) as f:
+            if st.st_size != entry["bytes"]:
+                raise CheckpointError(f"{self.path / name}: changed after verification (size)")
+            value, digest = parse(f, st.st_size)
+        if digest != entry["sha256"]:
             raise CheckpointError(f"{self.path / name}: changed after verification")
-        return data
+        return value
 
 
 @dataclass(frozen=True)
@@ -133,11 +192,31 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def _write_synced(path: Path, data: bytes) -> None:
-    with path.open("wb") as f:
-        f.write(data)
-        f.flush()
+class _HashingFile:
+    """A file object that hashes and counts what is written through it."""
+
+    def __init__(self, file: BinaryIO) -> None:
+        self.file = file
+        self.sha256 = hashlib.sha256()
+        self.num_bytes = 0
+
+    def write(self, data: bytes | memoryview) -> None:
+        self.sha256.update(data)  # both release the GIL for large chunks
+        self.file.write(data)
+        self.num_bytes += memoryview(data).nbytes
+
+
+def _write_synced(path: Path, source: FileSource) -> dict[str, Any]:
+    """Writes and fsyncs one file; returns its manifest entry (size and SHA-256 of the bytes
+    written)."""
+    with path.open("wb", buffering=0) as f:
+        out = _HashingFile(f)
+        if isinstance(source, bytes):
+            out.write(source)
+        else:
+            source(out)
         os.fsync(f.fileno())
+    return {"bytes": out.num_bytes, "sha256": out.sha256.hexdigest()}
 
 
 class CheckpointStore:
@@ -162,9 +241,13 @@ class CheckpointStore:
         self.check = check
         self._judged: dict[tuple[Path, str], str | None] = {}
         """(path, manifest SHA-256) -> None if `check` accepted it, else why not."""
+        self._trusted: dict[Path, tuple[str, dict[str, tuple[int, int, int, int]]]] = {}
+        """path -> (manifest SHA-256, each file's `_stat_key`) of the checkpoints this store
+        wrote or fully verified: `verify(trust_known=True)` does not re-hash those."""
 
-    def save(self, step: int, files: dict[str, bytes], config_hash: str) -> Saved:
-        """Writes `files` as the checkpoint of `step` (see the module docstring)."""
+    def save(self, step: int, files: Mapping[str, FileSource], config_hash: str) -> Saved:
+        """Writes `files` as the checkpoint of `step` (see the module docstring). A callback
+        source is called once, on this thread, while its file is open."""
         start = time.perf_counter()
         self.root.mkdir(parents=True, exist_ok=True)
         final = self.root / step_dir_name(step)
@@ -176,9 +259,8 @@ class CheckpointStore:
         tmp.mkdir()
         try:
             entries: dict[str, dict[str, Any]] = {}
-            for name, data in files.items():
-                _write_synced(tmp / name, data)
-                entries[name] = {"bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+            for name, source in files.items():
+                entries[name] = _write_synced(tmp / name, source)
                 fault_point("checkpoint.file_written")
             manifest = {
                 "format": FORMAT,
@@ -189,7 +271,7 @@ class CheckpointStore:
                 "created_unix_s": time.time(),
                 "files": entries,
             }
-            _write_synced(tmp / MANIFEST, json.dumps(manifest, indent=1).encode())
+            manifest_entry = _write_synced(tmp / MANIFEST, json.dumps(manifest, indent=1).encode())
             _fsync_dir(tmp)
             fault_point("checkpoint.manifest_written")
             os.rename(tmp, final)
@@ -206,8 +288,28 @@ class CheckpointStore:
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
+        self._trust(final, manifest_entry["sha256"], entries)
         num_bytes = sum(e["bytes"] for e in entries.values())
         return Saved(final, step, num_bytes, time.perf_counter() - start)
+
+    def _trust(self, path: Path, manifest_sha256: str, files: Mapping[str, Any]) -> None:
+        """Remembers a checkpoint whose every file this process has just hashed."""
+        try:
+            stats = {name: _stat_key(os.lstat(path / name)) for name in files}
+        except OSError:
+            return  # gone already: nothing to trust
+        self._trusted[path] = (manifest_sha256, stats)
+
+    def _is_trusted(self, path: Path, manifest_sha256: str) -> bool:
+        """True if `path` is a checkpoint this store wrote or fully verified and neither its
+        manifest bytes nor any file's inode, size or mtime changed since."""
+        known = self._trusted.get(path)
+        if known is None or known[0] != manifest_sha256:
+            return False
+        try:
+            return all(_stat_key(os.lstat(path / name)) == key for name, key in known[1].items())
+        except OSError:
+            return False
 
     def _set_aside(self, path: Path, step: int) -> None:
         """A `step_NNNNNN` that is in the way of a new save: a verified one (`verify` and
@@ -221,6 +323,7 @@ class CheckpointStore:
         except CheckpointError as err:
             aside = path.with_name(f".rejected-{path.name}-{int(time.time())}")
             os.rename(path, aside)
+            self._trusted.pop(path, None)
             print(f"asyncrl: moved unverifiable checkpoint aside to {aside}: {err}")
             return
         raise CheckpointError(f"{path}: a verified checkpoint already exists; not overwriting it")
@@ -236,10 +339,12 @@ class CheckpointStore:
                 found.append((int(match.group(1)), path))
         return sorted(found, reverse=True)
 
-    def verify(self, path: Path, step: int) -> Verified:
+    def verify(self, path: Path, step: int, trust_known: bool = False) -> Verified:
         """Checks the manifest and every file (not `check`); raises `CheckpointError` naming
         what is wrong, `UnsupportedCheckpointFormat` for a format version this asyncrl does not
-        read."""
+        read. Every file is re-read and hashed, unless `trust_known` and the checkpoint is one
+        this store wrote or fully verified and nothing about it changed since (the module
+        docstring): then each file is only checked to be a regular file of the listed size."""
         manifest_path = path / MANIFEST
         if path.is_symlink():
             raise CheckpointError(
@@ -275,25 +380,33 @@ class CheckpointStore:
             raise CheckpointError(f"{manifest_path}: does not list {', '.join(missing)}")
         for name in files:
             _check_name(path, name)  # every entry, before any file is opened
-        for name, entry in files.items():
-            file = path / name
-            try:
-                data = _read_regular(file)
-            except CheckpointError as err:
-                raise CheckpointError(f"{err} (step {step})") from None
-            if len(data) != entry["bytes"]:
-                raise CheckpointError(
-                    f"{file}: size {len(data)} bytes, manifest expects {entry['bytes']} "
-                    f"(step {step})"
-                )
-            digest = hashlib.sha256(data).hexdigest()
-            if digest != entry["sha256"]:
-                raise CheckpointError(
-                    f"{file}: SHA-256 {digest}, manifest expects {entry['sha256']} (step {step})"
-                )
-        return Verified(
-            path, step, manifest, version, manifest_sha256=hashlib.sha256(raw).hexdigest()
-        )
+        manifest_sha256 = hashlib.sha256(raw).hexdigest()
+        if not (trust_known and self._is_trusted(path, manifest_sha256)):
+            # (trusted: the same manifest bytes as when this store hashed every file, and each
+            # file still a regular file with that inode, size and mtime: `_is_trusted` stats)
+            for name, entry in files.items():
+                self._check_file(path / name, entry, step)
+            self._trust(path, manifest_sha256, files)
+        return Verified(path, step, manifest, version, manifest_sha256=manifest_sha256)
+
+    @staticmethod
+    def _check_file(file: Path, entry: dict[str, Any], step: int) -> None:
+        try:
+            digest, num_bytes, _ = _hash_regular(file)
+        except CheckpointError as err:
+            raise CheckpointError(f"{err} (step {step})") from None
+        CheckpointStore._check_size(file, num_bytes, entry, step)
+        if digest != entry["sha256"]:
+            raise CheckpointError(
+                f"{file}: SHA-256 {digest}, manifest expects {entry['sha256']} (step {step})"
+            )
+
+    @staticmethod
+    def _check_size(file: Path, num_bytes: int, entry: dict[str, Any], step: int) -> None:
+        if num_bytes != entry["bytes"]:
+            raise CheckpointError(
+                f"{file}: size {num_bytes} bytes, manifest expects {entry['bytes']} (step {step})"
+            )
 
     @staticmethod
     def _format_version(manifest_path: Path, manifest: object) -> int:
@@ -323,8 +436,9 @@ class CheckpointStore:
 
     def _judge(self, verified: Verified) -> None:
         """Applies `check` to a verified checkpoint, remembering the verdict per (path,
-        manifest SHA-256): the manifest fixes every file's hash and `verify` has just
-        re-checked them, so the same key means the same bytes and the same verdict."""
+        manifest SHA-256): the manifest fixes every file's hash and `verify` has checked them
+        (re-hashed, or trusted as unchanged since this store hashed them), so the same key means
+        the same bytes and the same verdict."""
         if self.check is None:
             return
         key = (verified.path, verified.manifest_sha256)
@@ -339,6 +453,14 @@ class CheckpointStore:
         reason = self._judged[key]
         if reason is not None:
             raise CheckpointError(reason)
+
+    def verify_saved(self, path: Path, step: int) -> Verified:
+        """The cheap check after `save`: `verify(trust_known=True)` (manifest re-read, files
+        stat-ed, nothing re-hashed: this store hashed them as it wrote them) and `check`;
+        raises `CheckpointError` if either fails."""
+        verified = self.verify(path, step, trust_known=True)
+        self._judge(verified)
+        return verified
 
     def latest(self) -> tuple[Verified | None, list[str]]:
         """The newest verified checkpoint (or None) and why each newer candidate was rejected;
@@ -364,15 +486,16 @@ class CheckpointStore:
         checkpoint does not count towards `keep_last`, so it cannot push out the one a resume
         would load). Returns what it deleted.
 
-        Cost, on every save: `verify` re-reads and hashes every file of every kept checkpoint
-        (as before), and `check` runs once per checkpoint in this store's lifetime (its verdict
-        is remembered by manifest hash): with a run dir's check, one decode of each new
-        checkpoint, in the writer's background thread, holding one decoded copy at a time."""
+        Cost, on every save: each kept checkpoint's manifest is re-read and its files are
+        stat-ed; only a checkpoint this store did not write or fully verify before (or whose
+        manifest or files changed since) is re-read and hashed, once. `check` runs once per
+        checkpoint in this store's lifetime (its verdict is remembered by manifest hash): with a
+        run dir's check, state.json and the safetensors headers, never the tensor data."""
         deleted = []
         verified = []
         for step, path in self.candidates():
             try:
-                candidate = self.verify(path, step)
+                candidate = self.verify(path, step, trust_known=True)
                 self._judge(candidate)
             except CheckpointError:
                 continue  # not ours to judge: a torn, foreign, incoherent or newer-format one
@@ -384,6 +507,7 @@ class CheckpointStore:
             fault_point("checkpoint.retention_deleted")
             shutil.rmtree(trash)
             deleted.append(old.path)
+            self._trusted.pop(old.path, None)
             self._judged = {k: v for k, v in self._judged.items() if k[0] != old.path}
         return deleted + self.clean_temp()
 

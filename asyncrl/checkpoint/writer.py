@@ -1,10 +1,17 @@
-"""Background checkpoint writes: the trainer is blocked only while it copies its state.
+"""Background checkpoint writes: the trainer is blocked only while it takes the cut.
 
-`submit` hands a snapshot (already a private copy) to one writer thread, which encodes it,
-writes it atomically, verifies it and applies retention. At most one write is in progress; a
-second `submit` waits for the first (back-pressure rather than an unbounded queue). `wait`
+`submit` hands a staged cut (`asyncrl.checkpoint.staging.Cut`) to one writer thread, which
+waits for the cut's background copy, streams the files into the store (hashing them as they
+are written), checks the new checkpoint cheaply, applies retention, and releases the staging
+buffers. At most one write is in progress; a second `submit` waits for the first
+(back-pressure rather than an unbounded queue, and the staging buffers are reused). `wait`
 blocks until the writer is idle and re-raises any error it met, so a failed save stops the run
 instead of passing silently.
+
+The post-save check (`verify(..., trust_known=True)` and the store's `check`) re-reads the
+manifest, stats every file and reads state.json and the safetensors headers; it does not
+re-read the tensor data this process has just hashed while writing it. The full re-hash
+happens when a resume loads the checkpoint (`CheckpointStore.latest`, then `decode`).
 """
 
 from __future__ import annotations
@@ -14,7 +21,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from asyncrl.checkpoint.snapshot import Snapshot, encode
+from asyncrl.checkpoint.staging import Cut
 from asyncrl.checkpoint.store import CheckpointStore
 
 
@@ -33,11 +40,15 @@ class CheckpointWriter:
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
 
-    def submit(self, step: int, snapshot: Snapshot, info: dict[str, Any]) -> None:
-        """Starts writing `snapshot` as the checkpoint of `step` in the background."""
-        self.wait()
+    def submit(self, step: int, cut: Cut, info: dict[str, Any]) -> None:
+        """Starts writing `cut` as the checkpoint of `step` in the background."""
+        try:
+            self.wait()
+        except BaseException:
+            cut.release()
+            raise
         self._thread = threading.Thread(
-            target=self._write, args=(step, snapshot, info), name="asyncrl-ckpt", daemon=True
+            target=self._write, args=(step, cut, info), name="asyncrl-ckpt", daemon=True
         )
         self._thread.start()
 
@@ -50,17 +61,23 @@ class CheckpointWriter:
             error, self._error = self._error, None
             raise error
 
-    def _write(self, step: int, snapshot: Snapshot, info: dict[str, Any]) -> None:
+    def _write(self, step: int, cut: Cut, info: dict[str, Any]) -> None:
         try:
             start = time.perf_counter()
-            saved = self.store.save(step, encode(snapshot), self.config_hash)
-            self.store.verify(saved.path, step)
+            saved = self.store.save(step, cut.files(), self.config_hash)
+            cut.release()
+            written_s = time.perf_counter() - start
+            self.store.verify_saved(saved.path, step)
             deleted = self.store.retain(self.keep_last)
+            job = cut.job
             self.on_saved(
                 {
                     **info,
                     "step": step,
                     "seconds": time.perf_counter() - start,
+                    "write_s": written_s,
+                    "stage_s": job.stage_s if job else 0.0,
+                    "hook_wait_s": job.hook_wait_s if job else 0.0,
                     "bytes": saved.num_bytes,
                     "path": str(saved.path),
                     "deleted": [str(p) for p in deleted],
@@ -68,3 +85,5 @@ class CheckpointWriter:
             )
         except BaseException as err:
             self._error = err
+        finally:
+            cut.release()

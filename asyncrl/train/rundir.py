@@ -15,14 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO
 
-from asyncrl.checkpoint.snapshot import (
-    FILES,
-    Snapshot,
-    check_cut,
-    check_tensor_files,
-    decode,
-    read_parts,
-)
+from asyncrl.checkpoint.snapshot import FILES, check_cut, check_tensor_files, read_parts
 from asyncrl.checkpoint.store import (
     CheckpointError,
     CheckpointStore,
@@ -43,7 +36,7 @@ class RunDir:
     run_id: str
     attempt: int
     latest: Verified | None = None
-    snapshot: Snapshot | None = None
+    """The newest verified checkpoint; `Trainer.resume` decodes it (once)."""
     rejected: list[str] = field(default_factory=list)
     lock: IO[str] | None = None
     forced_changes: list[str] = field(default_factory=list)
@@ -170,10 +163,8 @@ def _find_checkpoint(run: RunDir, config: Config, restart: bool, force_config: b
         run.latest, run.rejected = run.store.latest()
     except UnsupportedCheckpointFormat as err:  # never fall back past newer work
         raise RunDirError(str(err)) from None
-    if run.latest is not None:
-        run.snapshot = decode(run.latest)
-    if run.latest is not None and run.snapshot is not None:
-        differences = semantic_differences(run.snapshot.config, config)
+    if run.latest is not None:  # the config comparison needs state.json only
+        differences = semantic_differences(read_parts(run.latest)[1], config)
         hard = [d for d in differences if resume_rule(d.split(":")[0]) == "never"]
         if differences and (hard or not force_config):
             hint = (

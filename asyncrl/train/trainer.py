@@ -18,6 +18,8 @@ Checkpoints are taken between steps: the trainer owns the weights and optimizer 
 the collector's lock gives one consistent cut of ledger, stream and buffer (generation keeps
 running; only admission and completion wait while the cut is read). A checkpoint is the dict
 of named stateful parts of `stateful_parts()`; the trainer names no algorithm and no engine.
+The big parts' tensors are copied into reused staging buffers while the next step's forward
+and backward run; its optimizer step waits for that copy (asyncrl/checkpoint/staging.py).
 """
 
 from __future__ import annotations
@@ -32,7 +34,8 @@ import torch
 import transformers
 from tqdm import tqdm
 
-from asyncrl.checkpoint.snapshot import RNGState, Snapshot, Stateful, stage
+from asyncrl.checkpoint.snapshot import RNGState, Snapshot, Stateful, decode
+from asyncrl.checkpoint.staging import Cut, StagingArea
 from asyncrl.checkpoint.store import CheckpointError
 from asyncrl.checkpoint.writer import CheckpointWriter
 from asyncrl.config import Config, benign_differences, config_hash
@@ -61,6 +64,12 @@ SKIP_ALIASES = {
     "critic": ("algorithm.critic", "algorithm.critic_optimizer"),
     "cursor": ("stream", "ledger"),
 }
+
+
+STAGED_IN_BACKGROUND = ("model", "algorithm", "generation")
+"""Parts whose tensors change in place only in optimizer steps (weights, optimizer moments, a
+critic) or never (generation's older weights versions): `capture` copies them while the next
+step's forward and backward run. Every other part is copied under the cut."""
 
 
 def _skipped(name: str) -> set[str]:
@@ -92,6 +101,7 @@ class Trainer:
         self.attempt = run.attempt
         self.last_saved_step = -1
         self._start_s = time.perf_counter()
+        self.staging = StagingArea()
         self.writer = CheckpointWriter(
             run.store,
             config_hash(config),
@@ -128,16 +138,19 @@ class Trainer:
         self.step = int(state["step"])
         self.last_saved_step = self.step
 
-    def capture(self) -> tuple[Snapshot, float]:
-        """The run's consistent cut as a private copy, and how long generation's bookkeeping
-        was held for it (only while the parts' states are read)."""
+    def capture(self) -> tuple[Cut, float]:
+        """The run's consistent cut, staged into this trainer's reused buffers (the parts of
+        `STAGED_IN_BACKGROUND` still being copied when this returns: the next optimizer step
+        waits for that), and how long generation's bookkeeping was held for it (while the
+        parts' states are read and the small ones copied). The staging buffers must be free:
+        the previous cut written or released."""
         parts = self.stateful_parts()
         with self.parts.collector.cut():
             start = time.perf_counter()
             states = {name: part.state_dict() for name, part in parts.items()}
+            cut = self.staging.stage(states, self.config.to_dict(), STAGED_IN_BACKGROUND)
             pause_s = time.perf_counter() - start
-        staged = {name: stage(state) for name, state in states.items()}  # the next step
-        return Snapshot(staged, self.config.to_dict()), pause_s  # updates them in place
+        return cut, pause_s
 
     def restore(self, snapshot: Snapshot) -> ResumePlan:
         """Loads every part, then applies `checkpoint.resume_policy`; returns the plan."""
@@ -175,14 +188,17 @@ class Trainer:
                 self.run.latest.path if self.run.latest else "nothing (no verified checkpoint)"
             )
             print(f"asyncrl: falling back to {fallback}")
-        snapshot = self.run.snapshot
-        self.run.snapshot = None  # not kept referenced for the rest of the run
-        if snapshot is None:
+        if self.run.latest is None:
             if self.attempt:
                 print(f"asyncrl: no verified checkpoint; from step 0 (attempt {self.attempt})")
             return
+        start = time.perf_counter()
+        snapshot = decode(self.run.latest)  # the only read of its tensors; dropped below
         cursor = int(snapshot.parts["stream"]["cursor"])
+        saved_config = snapshot.config
         plan = self.restore(snapshot)
+        del snapshot  # the restored parts own their state now: no second copy stays
+        load_s = time.perf_counter() - start
         for line in plan.messages:
             print(line)
         self.logs.events.emit(
@@ -197,8 +213,9 @@ class Trainer:
             discarded_groups=plan.discarded,
             refilled_targets=plan.fills,
             rejected_checkpoints=self.run.rejected,
-            config_changes=benign_differences(snapshot.config, self.config),
+            config_changes=benign_differences(saved_config, self.config),
             forced_config_changes=self.run.forced_changes,
+            load_s=load_s,
         )
         print(
             f"asyncrl: resumed at step {self.step} (attempt {self.attempt}, {plan.policy}): kept "
@@ -320,17 +337,21 @@ class Trainer:
         return record
 
     def checkpoint(self, wait: bool = False) -> None:
-        """Copies the current step's state and hands it to the background writer, which
-        writes, verifies and retains; `wait=True` also blocks until that is done."""
+        """Stages the current step's state and hands it to the background writer, which
+        writes, verifies and retains; `wait=True` also blocks until that is done. Waits first
+        for the previous write (it reads the staging buffers) and raises its error."""
         start = time.perf_counter()
-        snapshot, pause_s = self.capture()
+        self.writer.wait()
+        capture_start = time.perf_counter()
+        cut, pause_s = self.capture()
         info = {
             "blocked_s": time.perf_counter() - start,
+            "previous_write_wait_s": capture_start - start,
             "pause_s": pause_s,
-            "in_flight": len(snapshot.parts["ledger"]["in_flight"]),
-            "buffered": len(snapshot.parts["buffer"]["groups"]),
+            "in_flight": len(cut.trees["ledger"]["in_flight"]),
+            "buffered": len(cut.trees["buffer"]["groups"]),
         }
-        self.writer.submit(self.step, snapshot, info)
+        self.writer.submit(self.step, cut, info)
         self.last_saved_step = self.step
         if wait:
             self.writer.wait()

@@ -1,0 +1,243 @@
+"""One bounded, reused staging copy of a cut, taken partly while the next step runs.
+
+    trainer thread                          copy thread                  writer thread
+    --------------                          -----------                  -------------
+    stage(states) under the collector's cut:
+      every part flattened (JSON copied),
+      small parts' tensors copied ─────────▶ big parts' tensors copied
+    next step: forward, backward              into the same buffers
+    optimizer.step ── waits (pre-hook) ◀──── done ───────────────────────▶ streams the files
+
+A `StagingArea` keeps one CPU buffer per tensor name and reuses it from save to save
+(`buf.copy_(t)`; a new one only when the shape or dtype changed, pinned when the source is on
+a GPU), so a checkpoint costs one copy of the state, allocated once per run, not a fresh clone
+each time. Buffers no longer named by the newest cut are dropped: the area holds one cut.
+
+Overlap: the only things that change the `background` parts' tensors (model weights, optimizer
+moments, a critic; generation's older weights versions never change) in place are optimizer
+steps. So `stage` copies the other parts' tensors at once (the buffer, ledger and stream are
+changed by the collector thread, which the cut's lock holds off) and the background parts' in
+a copy thread while the trainer computes the next step's forward and backward passes; a
+process-wide optimizer step pre-hook makes any optimizer step wait until the copy is done.
+The copy is exact, so what is written is the state at the cut, bit for bit.
+
+The buffers are reused, so a cut is valid until the next `stage` of the same area: `stage`
+refuses to run while the previous cut is not `release`d (the writer releases it once the
+files are written; the trainer waits for the writer before it stages again).
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from collections.abc import Collection
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+from asyncrl.checkpoint.snapshot import MODEL_PART, Snapshot, flatten_part, unflatten
+from asyncrl.checkpoint.store import FORMAT_VERSION, FileSource
+from asyncrl.checkpoint.tensorfile import tensor_writer
+
+MODEL_FILE = "model.safetensors"
+STATE_FILE = "state.safetensors"
+
+
+class StagingJob:
+    """The background half of one staging: done once every queued tensor is copied. An
+    optimizer step that starts before that waits (`wait_from_hook`), and the time it waited is
+    counted in `hook_wait_s`."""
+
+    def __init__(self, copies: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        self._copies = copies  # (buffer, source); the sources are dropped once copied
+        self._cond = threading.Condition()
+        self._done = False
+        self._waiters = 0
+        self.error: BaseException | None = None
+        self.stage_s = 0.0
+        """Seconds the copy thread took."""
+        self.hook_wait_s = 0.0
+        """Seconds optimizer steps waited for the copy, in total."""
+
+    def run(self) -> None:
+        """Copies every queued tensor (the copy thread's body); never raises."""
+        start = time.perf_counter()
+        try:
+            _copy_all(self._copies)
+        except BaseException as err:  # the writer re-raises it; the hook must not hang
+            self.error = err
+        finally:
+            self._copies = []
+            self.stage_s = time.perf_counter() - start
+            with self._cond:
+                self._done = True
+                self._cond.notify_all()
+            _unregister(self)
+
+    def wait_from_hook(self) -> None:
+        with self._cond:
+            if self._done:
+                return
+            self._waiters += 1
+            start = time.perf_counter()
+            while not self._done:
+                self._cond.wait()
+            self.hook_wait_s += time.perf_counter() - start
+            self._waiters -= 1
+            self._cond.notify_all()
+
+    def wait(self) -> None:
+        """Blocks until the copy is done and every optimizer step that waited for it has
+        counted its wait; re-raises the copy's error."""
+        with self._cond:
+            while not self._done or self._waiters:
+                self._cond.wait()
+        if self.error is not None:
+            raise self.error
+
+
+def _copy_all(copies: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+    """`buf.copy_(src)` for each pair; GPU sources asynchronously on a side stream that first
+    waits for the work already queued on their devices, then synchronized."""
+    streams: dict[torch.device, Any] = {}
+    for buf, src in copies:
+        if src.is_cuda:
+            if src.device not in streams:
+                stream = torch.cuda.Stream(src.device)
+                stream.wait_stream(torch.cuda.current_stream(src.device))
+                streams[src.device] = stream
+            with torch.cuda.stream(streams[src.device]):
+                buf.copy_(src, non_blocking=buf.is_pinned())
+        else:
+            buf.copy_(src)
+    for stream in streams.values():
+        stream.synchronize()
+
+
+_ACTIVE: set[StagingJob] = set()
+_ACTIVE_LOCK = threading.Lock()
+_HOOK: Any = None
+
+
+def _before_optimizer_step(optimizer: Any, args: Any, kwargs: Any) -> None:
+    with _ACTIVE_LOCK:
+        jobs = list(_ACTIVE)
+    for job in jobs:
+        job.wait_from_hook()
+
+
+def _register(job: StagingJob) -> None:
+    """Arms the pre-hook for `job`. The hook is installed once per process and stays: with
+    no job in progress it returns at once, and removing a global hook from the copy thread
+    while a step iterates over the hooks would break that step."""
+    global _HOOK
+    with _ACTIVE_LOCK:
+        if _HOOK is None:
+            _HOOK = register_optimizer_step_pre_hook(_before_optimizer_step)
+        _ACTIVE.add(job)
+
+
+def _unregister(job: StagingJob) -> None:
+    with _ACTIVE_LOCK:
+        _ACTIVE.discard(job)
+
+
+@dataclass
+class Cut:
+    """One consistent cut, staged: each part's JSON tree (tensors replaced by
+    `{"__tensor__": NAME}`), the config, and each tensor file's tensors in the staging buffers
+    (still being filled by `job` until `wait_staged`)."""
+
+    trees: dict[str, Any]
+    config: dict[str, Any]
+    tensors: dict[str, dict[str, torch.Tensor]] = field(
+        default_factory=lambda: {MODEL_FILE: {}, STATE_FILE: {}}
+    )
+    job: StagingJob | None = None
+    area: StagingArea | None = None
+
+    @property
+    def step(self) -> int:
+        return int(self.trees["trainer"]["step"])
+
+    def wait_staged(self) -> None:
+        """Blocks until the background copy is done; re-raises its error."""
+        if self.job is not None:
+            self.job.wait()
+
+    def files(self) -> dict[str, FileSource]:
+        """The checkpoint's files (format 2) as `CheckpointStore.save` takes them: the tensor
+        files streamed from the staging buffers, state.json as bytes. Waits for the copy."""
+        self.wait_staged()
+        state_json = {"format_version": FORMAT_VERSION, "parts": self.trees, "config": self.config}
+        return {
+            MODEL_FILE: tensor_writer(self.tensors[MODEL_FILE]),
+            STATE_FILE: tensor_writer(self.tensors[STATE_FILE]),
+            "state.json": json.dumps(state_json).encode(),
+        }
+
+    def snapshot(self) -> Snapshot:
+        """The cut as a `Snapshot` whose tensors are the staging buffers (valid until the next
+        `stage` of the area). Waits for the copy."""
+        self.wait_staged()
+        parts = {
+            name: unflatten(tree, self.tensors[MODEL_FILE if name == MODEL_PART else STATE_FILE])
+            for name, tree in self.trees.items()
+        }
+        return Snapshot(parts, self.config)
+
+    def release(self) -> None:
+        """The buffers may be reused: called once the files are written (or failed)."""
+        if self.area is not None:
+            self.area.in_use = None
+
+
+class StagingArea:
+    """The reused CPU buffers of one trainer's checkpoints, by file and tensor name."""
+
+    def __init__(self) -> None:
+        self._buffers: dict[tuple[str, str], torch.Tensor] = {}
+        self.in_use: Cut | None = None
+
+    def stage(
+        self, states: dict[str, Any], config: dict[str, Any], background: Collection[str] = ()
+    ) -> Cut:
+        """Stages each part's state (`states`: part name -> live `state_dict()`). The parts
+        named in `background` have their tensors copied by a copy thread (see the module
+        docstring for what the caller guarantees); the rest before this returns. Raises
+        `RuntimeError` while the previous cut is not released."""
+        if self.in_use is not None:
+            raise RuntimeError("the previous checkpoint still reads the staging buffers")
+        cut = Cut(trees={}, config=config, area=self)
+        later: list[tuple[torch.Tensor, torch.Tensor]] = []
+        for name, state in states.items():
+            file = MODEL_FILE if name == MODEL_PART else STATE_FILE
+            found: dict[str, torch.Tensor] = {}
+            cut.trees[name] = flatten_part(name, state, found)
+            for tensor_name, source in found.items():
+                buf = self._buffer(file, tensor_name, source)
+                cut.tensors[file][tensor_name] = buf
+                if name in background:
+                    later.append((buf, source))
+                else:
+                    buf.copy_(source)
+        used = {(file, n) for file, tensors in cut.tensors.items() for n in tensors}
+        self._buffers = {k: v for k, v in self._buffers.items() if k in used}
+        self.in_use = cut
+        if later:
+            cut.job = StagingJob(later)
+            _register(cut.job)
+            threading.Thread(target=cut.job.run, name="asyncrl-stage", daemon=True).start()
+        return cut
+
+    def _buffer(self, file: str, name: str, source: torch.Tensor) -> torch.Tensor:
+        """The buffer for `name`, reused if its shape and dtype still fit."""
+        buf = self._buffers.get((file, name))
+        if buf is None or buf.shape != source.shape or buf.dtype != source.dtype:
+            pin = source.is_cuda and torch.cuda.is_available()
+            buf = torch.empty(source.shape, dtype=source.dtype, pin_memory=pin)
+            self._buffers[(file, name)] = buf
+        return buf

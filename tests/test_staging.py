@@ -1,0 +1,86 @@
+"""A checkpoint's state is staged into one set of reused CPU buffers, the big parts in the
+background while the next step runs: an optimizer step waits for that copy, so what is written
+is the state at the cut."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import torch
+from test_snapshot import assert_same, tiny_trainer
+
+import asyncrl.checkpoint.staging as staging
+from asyncrl.checkpoint.staging import MODEL_FILE, STATE_FILE, StagingArea
+
+
+def buffers(cut) -> dict[str, int]:
+    return {
+        f"{f}:{n}": t.data_ptr()
+        for f in (MODEL_FILE, STATE_FILE)
+        for n, t in cut.tensors[f].items()
+    }
+
+
+def test_a_second_save_reuses_the_staging_buffers_of_the_first(tmp_path):
+    trainer = tiny_trainer(tmp_path)
+    first = trainer.capture()[0]
+    first.wait_staged()
+    with pytest.raises(RuntimeError, match="still reads the staging buffers"):
+        trainer.capture()  # the first cut is not written yet: its buffers are not free
+    first.release()
+    second = trainer.capture()[0]
+    second.wait_staged()
+    model = [k for k in buffers(first) if k.startswith(MODEL_FILE)]
+    assert model and all(buffers(second)[k] == buffers(first)[k] for k in model)
+    optimizer = [k for k in buffers(first) if "/optimizer/state/" in k]
+    assert optimizer and all(buffers(second)[k] == buffers(first)[k] for k in optimizer)
+    live = trainer.parts.policy.model.state_dict()
+    assert all(second.tensors[MODEL_FILE][n].data_ptr() != live[n].data_ptr() for n in live
+               if n in second.tensors[MODEL_FILE])  # fmt: skip
+
+
+def test_an_optimizer_step_waits_for_the_background_copy_and_the_cut_is_the_state_before_it(
+    monkeypatch,
+):
+    release = threading.Event()
+    real = staging._copy_all
+
+    def slow_copy(copies):
+        release.wait(timeout=30)
+        real(copies)
+
+    monkeypatch.setattr(staging, "_copy_all", slow_copy)
+    model = torch.nn.Linear(64, 64)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.1)
+    model(torch.ones(1, 64)).sum().backward()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    cut = StagingArea().stage({"model": model.state_dict()}, {}, background=("model",))
+    stepped = threading.Event()
+    thread = threading.Thread(target=lambda: (optimizer.step(), stepped.set()))
+    thread.start()
+    assert not stepped.wait(0.5)  # the step is held while the copy has not run
+    release.set()
+    assert stepped.wait(30)
+    thread.join()
+    assert cut.job is not None and cut.job.hook_wait_s >= 0.4
+    assert_same(cut.snapshot().parts["model"], before)
+    assert not torch.equal(model.weight, before["weight"])  # the control: the step did run
+    start = time.perf_counter()
+    optimizer.step()  # nothing is staging: no wait
+    assert time.perf_counter() - start < 0.4
+
+
+def test_a_failed_background_copy_frees_the_optimizer_and_fails_the_write(monkeypatch):
+    def broken(copies):
+        raise MemoryError("no room for the staging copy")
+
+    monkeypatch.setattr(staging, "_copy_all", broken)
+    model = torch.nn.Linear(4, 4)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    model(torch.ones(1, 4)).sum().backward()
+    cut = StagingArea().stage({"model": model.state_dict()}, {}, background=("model",))
+    optimizer.step()  # does not hang
+    with pytest.raises(MemoryError, match="no room"):
+        cut.files()
