@@ -5,7 +5,7 @@ BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 RUN_DIR ?= runs/demo-$(shell date +%Y%m%d-%H%M%S)
 
-.PHONY: setup demo ppo-demo rloo-demo test lint bench bench-algos bench-ray chaos docs clean
+.PHONY: setup demo ppo-demo rloo-demo test lint bench bench-algos bench-ray bench-scale chaos docs clean
 
 setup: $(STAMP)
 
@@ -43,6 +43,9 @@ bench-algos: setup
 
 bench-ray: setup
 	$(BIN)/python benchmarks/ray_scaleout.py
+
+bench-scale: setup
+	$(BIN)/python benchmarks/scale.py
 
 chaos: setup
 	$(BIN)/python benchmarks/chaos.py --trials 200

@@ -1,0 +1,81 @@
+"""The pure parts of benchmarks/scale.py: the exponent fit, splitting RSS samples by checkpoint
+intervals, steady-state rates and the formatting of the last line."""
+
+import math
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+
+from scale import (
+    checkpoint_intervals,
+    fit_exponent,
+    format_table,
+    human,
+    split_samples,
+    steady_state,
+    summary_line,
+)
+
+
+@pytest.mark.parametrize("power", [0.0, 0.5, 1.0, 2.0])
+def test_the_fit_recovers_the_exponent_of_an_exact_power_law(power):
+    xs = [1e6, 5e6, 2e7, 7.5e7, 3e8]
+    assert fit_exponent(xs, [3.0 * x**power for x in xs]) == pytest.approx(power)
+
+
+def test_the_fit_is_the_least_squares_slope_of_noisy_points():
+    # log-log points (0, 0), (1, 1), (2, 3): slope = sum(dx*dy)/sum(dx^2) = (1*1.33+1*1.67)/2
+    xs = [1.0, math.e, math.e**2]
+    ys = [1.0, math.e, math.e**3]
+    assert fit_exponent(xs, ys) == pytest.approx(1.5)
+
+
+def test_the_fit_needs_two_sizes_and_positive_costs():
+    assert math.isnan(fit_exponent([1e6], [2.0]))
+    assert math.isnan(fit_exponent([1e6, 1e6], [2.0, 3.0]))
+    assert math.isnan(fit_exponent([1e6, 2e6], [2.0, 0.0]))
+
+
+def test_a_checkpoint_interval_runs_from_the_staging_copy_to_the_event():
+    events = [
+        {"event": "start", "time": 90.0},
+        {"event": "checkpoint", "time": 100.0, "seconds": 4.0, "blocked_s": 0.5},
+        {"event": "checkpoint", "time": 200.0, "seconds": 10.0},  # no blocked_s: 0
+    ]
+    assert checkpoint_intervals(events) == [(95.5, 100.0), (190.0, 200.0)]
+
+
+def test_samples_split_into_inside_and_outside_the_intervals_within_the_run():
+    samples = [(t, int(t)) for t in (1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0, 8.0)]
+    inside, outside = split_samples(samples, [(2.5, 4.0), (6.0, 6.5)], start=2.0, end=7.0)
+    assert inside == [3, 4, 6]  # interval ends are inside
+    assert outside == [2, 5, 7]  # 1 and 8 are before the start and after the end
+
+
+def test_steady_state_leaves_out_step_0_and_resumed_attempts():
+    metrics = [
+        {"step": 0, "attempt": 0, "wall_s": 5.0, "num_tokens": 100.0},  # warm-up: excluded
+        {"step": 1, "attempt": 0, "wall_s": 7.0, "num_tokens": 30.0},
+        {"step": 2, "attempt": 0, "wall_s": 9.0, "num_tokens": 10.0},
+        {"step": 3, "attempt": 1, "wall_s": 30.0, "num_tokens": 99.0},  # the resume's
+    ]
+    step_s, tokens_per_s = steady_state(metrics)
+    assert step_s == pytest.approx(2.0)
+    assert tokens_per_s == pytest.approx(40.0 / 4.0)
+
+
+def test_the_last_line_has_the_names_an_issue_quotes():
+    line = summary_line(bytes_per_param=73.2, write_gbps=0.1, disk_gbps=0.4, blocked=0.125)
+    assert line == "scale: peak_bytes_per_param=73 ckpt_write_vs_disk=0.25 blocked_per_step=12.5%"
+
+
+def test_numbers_and_tables_are_formatted_for_reading():
+    assert human(75_812_352) == "75.8M" and human(1.2e9, "B") == "1.2GB" and human(512) == "512"
+    assert format_table([{"a": "1", "bb": "22"}, {"a": "333", "bb": "4"}]) == [
+        "  a  bb",
+        "  1  22",
+        "333   4",
+    ]
