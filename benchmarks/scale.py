@@ -7,7 +7,7 @@ to 300M parameters, trained by the real CLI.
 
 Each size is saved once by `asyncrl.models.scratch` (random init, a 390-token byte-level BPE
 tokenizer, so the parameters are nearly all transformer blocks) and trained with async GRPO
-(threads backend, N=2 prompts x G=2 samples, 8 new tokens, 4 steps with a checkpoint every 2,
+(threads backend, N=2 prompts x G=2 samples, 8 new tokens, 6 steps with a checkpoint every 3,
 keep_last 2, one torch thread each for generation and training) by `asyncrl train` in a child
 process, whose RSS the parent samples from /proc every 20 ms (and kills it if the machine is
 about to run out of memory: that size is reported as not fitting). The checkpoint events of
@@ -18,7 +18,8 @@ checkpoint. Per size it prints
 
     parameters, steady steps/s (step 0 excluded), trained completion tokens/s, peak RSS and
     bytes/param while training and during checkpoints, VmHWM, checkpoint size, trainer blocked
-    ms per checkpoint, write+verify s and GB/s, and the resume's load seconds
+    ms per checkpoint (the cut, a wait for the previous write, and optimizer steps held by the
+    background staging copy), write+verify s and GB/s, and the resume's load seconds
 
 and this machine's own sequential write speed (1 GiB in 16 MiB chunks, fsync) and SHA-256
 speed, the growth exponent of each cost (least squares on log-log; sizes below 4M left out,
@@ -67,7 +68,7 @@ RUN = [
     "rollout.num_prompts_per_step=2",
     "rollout.num_generations_per_prompt=2",
     "rollout.max_new_tokens=8",
-    "checkpoint.save_period=2",
+    "checkpoint.save_period=3",
     "checkpoint.keep_last=2",
     "run.torch_threads=1",  # generation and training each own one of the 2 cores
     "logging.progress=false",
@@ -275,7 +276,9 @@ def measure_size(label: str, tmp: Path, steps: int, extra: list[str]) -> SizeRes
         label, num_params, step_s, tokens_per_s,
         max(training, default=0), max(during, default=0), sampler.hwm_bytes,
         statistics.median(e["bytes"] for e in checkpoints),
-        statistics.median(e["blocked_s"] for e in checkpoints),
+        # all the trainer waited: the synchronous part of the cut, the previous write (when
+        # saves come faster than the disk takes them) and optimizer steps held by the copy
+        statistics.median(e["blocked_s"] + e.get("hook_wait_s", 0.0) for e in checkpoints),
         statistics.median(e["seconds"] for e in checkpoints),
         resume_s, how,
     )  # fmt: skip
@@ -378,7 +381,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sizes", default=SIZES, help=f"parameter counts (default {SIZES})")
     parser.add_argument("--quick", action="store_true", help=f"only {QUICK_SIZES}")
-    parser.add_argument("--steps", type=int, default=4, help="steps per run (default 4)")
+    parser.add_argument("--steps", type=int, default=6, help="steps per run (default 6)")
     parser.add_argument("--dir", type=Path, default=None, help="work here (default: a temp dir)")
     parser.add_argument(
         "--set", action="append", default=[], metavar="KEY=VALUE", help="config override"

@@ -25,17 +25,19 @@ def buffers(cut) -> dict[str, int]:
 
 def test_a_second_save_reuses_the_staging_buffers_of_the_first(tmp_path):
     trainer = tiny_trainer(tmp_path)
+    trainer.staging = StagingArea(keep_buffers=True)  # what pinned (GPU-staging) buffers get
     first = trainer.capture()[0]
     first.wait_staged()
     with pytest.raises(RuntimeError, match="still reads the staging buffers"):
         trainer.capture()  # the first cut is not written yet: its buffers are not free
+    first_buffers = buffers(first)
     first.release()
     second = trainer.capture()[0]
     second.wait_staged()
-    model = [k for k in buffers(first) if k.startswith(MODEL_FILE)]
-    assert model and all(buffers(second)[k] == buffers(first)[k] for k in model)
-    optimizer = [k for k in buffers(first) if "/optimizer/state/" in k]
-    assert optimizer and all(buffers(second)[k] == buffers(first)[k] for k in optimizer)
+    model = [k for k in first_buffers if k.startswith(MODEL_FILE)]
+    assert model and all(buffers(second)[k] == first_buffers[k] for k in model)
+    optimizer = [k for k in first_buffers if "/optimizer/state/" in k]
+    assert optimizer and all(buffers(second)[k] == first_buffers[k] for k in optimizer)
     live = trainer.parts.policy.model.state_dict()
     assert all(second.tensors[MODEL_FILE][n].data_ptr() != live[n].data_ptr() for n in live
                if n in second.tensors[MODEL_FILE])  # fmt: skip
@@ -84,3 +86,16 @@ def test_a_failed_background_copy_frees_the_optimizer_and_fails_the_write(monkey
     optimizer.step()  # does not hang
     with pytest.raises(MemoryError, match="no room"):
         cut.files()
+
+
+def test_buffers_staging_cpu_tensors_are_given_back_once_their_cut_is_written(tmp_path):
+    """By default a CPU run keeps no staging copy between saves (12 bytes per parameter it
+    would otherwise hold for the whole run); the cut is unreadable after its release."""
+    trainer = tiny_trainer(tmp_path)
+    cut = trainer.capture()[0]
+    cut.wait_staged()
+    params = trainer.parts.policy.num_parameters()
+    assert trainer.staging.num_bytes >= 12 * params  # fp32 weights and two AdamW moments
+    cut.release()
+    assert trainer.staging.num_bytes == 0 and cut.tensors[MODEL_FILE] == {}
+    trainer.capture()[0].wait_staged()  # and the next save stages afresh

@@ -79,7 +79,7 @@ class RNGState:
         random.setstate((version, tuple(internal), gauss))
         name, keys, pos, has_gauss, cached = state["numpy"]
         np.random.set_state((name, np.asarray(keys, dtype=np.uint32), pos, has_gauss, cached))
-        torch.set_rng_state(state["torch"])
+        torch.set_rng_state(state["torch"].clone())  # an owning tensor: it may be a view
 
 
 # --- the tree codec: nested dicts/lists/tuples of tensors and JSON values <-> JSON + tensors

@@ -8,10 +8,11 @@
     next step: forward, backward              into the same buffers
     optimizer.step ── waits (pre-hook) ◀──── done ───────────────────────▶ streams the files
 
-A `StagingArea` keeps one CPU buffer per tensor name and reuses it from save to save
-(`buf.copy_(t)`; a new one only when the shape or dtype changed, pinned when the source is on
-a GPU), so a checkpoint costs one copy of the state, allocated once per run, not a fresh clone
-each time. Buffers no longer named by the newest cut are dropped: the area holds one cut.
+A `StagingArea` holds one CPU buffer per tensor name (`buf.copy_(t)`; pinned when the source
+is on a GPU): a checkpoint costs one copy of the state, bounded by one cut. Pinned buffers are
+reused from save to save (a new one only when the shape or dtype changed); buffers of CPU
+tensors are given back once their cut is written (see `StagingArea`). Buffers no longer named
+by the newest cut are dropped.
 
 Overlap: the only things that change the `background` parts' tensors (model weights, optimizer
 moments, a critic; generation's older weights versions never change) in place are optimizer
@@ -29,6 +30,7 @@ files are written; the trainer waits for the writer before it stages again).
 from __future__ import annotations
 
 import json
+import math
 import threading
 import time
 from collections.abc import Collection
@@ -190,17 +192,55 @@ class Cut:
         return Snapshot(parts, self.config)
 
     def release(self) -> None:
-        """The buffers may be reused: called once the files are written (or failed)."""
+        """The buffers may be reused: called once the files are written (or failed). The cut
+        lets go of them (it is not readable after this)."""
         if self.area is not None:
-            self.area.in_use = None
+            self.area.release(self)
+        self.tensors = {MODEL_FILE: {}, STATE_FILE: {}}
+
+
+ALIGN = 64
+"""Byte alignment of each tensor inside the flat staging buffer."""
+
+Layout = tuple[tuple[str, str, tuple[int, ...], torch.dtype], ...]
+"""(file, tensor name, shape, dtype) of every staged tensor, in staging order."""
 
 
 class StagingArea:
-    """The reused CPU buffers of one trainer's checkpoints, by file and tensor name."""
+    """The staging buffer of one trainer's checkpoints: ONE flat CPU allocation, carved into a
+    view per tensor (by file and tensor name).
 
-    def __init__(self) -> None:
-        self._buffers: dict[tuple[str, str], torch.Tensor] = {}
+    One allocation, not one per tensor: a block that large is always its own memory mapping,
+    so giving it back really returns the memory to the system (thousands of per-tensor
+    buffers of a few MiB land in the allocator's heap, which keeps them: measured, freeing
+    them left the RSS where it was).
+
+    `keep_buffers` says whether the buffer is kept from one save to the next. By default
+    (None) only a pinned one is kept — one staging GPU tensors: pinned host memory is slow to
+    allocate, and it is not the memory training uses. A buffer staging CPU tensors is given
+    back after each write: kept, it would be 12 more bytes per parameter (fp32 weights and two
+    AdamW moments) for the whole run, in the very RAM the CPU trainer trains in, to save a
+    page-fault pass that the background copy hides anyway."""
+
+    def __init__(self, keep_buffers: bool | None = None) -> None:
+        self._flat: torch.Tensor | None = None
+        self._layout: Layout = ()
+        self._views: list[torch.Tensor] = []
         self.in_use: Cut | None = None
+        self.keep_buffers = keep_buffers
+
+    @property
+    def num_bytes(self) -> int:
+        """Bytes the staging buffer holds now (0 when given back)."""
+        return 0 if self._flat is None else self._flat.numel()
+
+    def release(self, cut: Cut) -> None:
+        """`cut` is written: its buffer is free, and given back unless kept."""
+        if self.in_use is cut:
+            self.in_use = None
+        pinned = self._flat is not None and self._flat.is_pinned()
+        if self.keep_buffers is False or (self.keep_buffers is None and not pinned):
+            self._flat, self._layout, self._views = None, (), []
 
     def stage(
         self, states: dict[str, Any], config: dict[str, Any], background: Collection[str] = ()
@@ -212,20 +252,23 @@ class StagingArea:
         if self.in_use is not None:
             raise RuntimeError("the previous checkpoint still reads the staging buffers")
         cut = Cut(trees={}, config=config, area=self)
-        later: list[tuple[torch.Tensor, torch.Tensor]] = []
+        found_all: list[tuple[str, str, str, torch.Tensor]] = []  # part, file, name, source
         for name, state in states.items():
             file = MODEL_FILE if name == MODEL_PART else STATE_FILE
             found: dict[str, torch.Tensor] = {}
             cut.trees[name] = flatten_part(name, state, found)
-            for tensor_name, source in found.items():
-                buf = self._buffer(file, tensor_name, source)
-                cut.tensors[file][tensor_name] = buf
-                if name in background:
-                    later.append((buf, source))
-                else:
-                    buf.copy_(source)
-        used = {(file, n) for file, tensors in cut.tensors.items() for n in tensors}
-        self._buffers = {k: v for k, v in self._buffers.items() if k in used}
+            found_all += [(name, file, t, source) for t, source in found.items()]
+        layout = tuple((f, t, tuple(src.shape), src.dtype) for _, f, t, src in found_all)
+        if layout != self._layout or self._flat is None:
+            pin = any(src.is_cuda for *_, src in found_all) and torch.cuda.is_available()
+            self._allocate(layout, pin)
+        later: list[tuple[torch.Tensor, torch.Tensor]] = []
+        for (name, file, tensor_name, source), buf in zip(found_all, self._views, strict=True):
+            cut.tensors[file][tensor_name] = buf
+            if name in background:
+                later.append((buf, source))
+            else:
+                buf.copy_(source)
         self.in_use = cut
         if later:
             cut.job = StagingJob(later)
@@ -233,11 +276,17 @@ class StagingArea:
             threading.Thread(target=cut.job.run, name="asyncrl-stage", daemon=True).start()
         return cut
 
-    def _buffer(self, file: str, name: str, source: torch.Tensor) -> torch.Tensor:
-        """The buffer for `name`, reused if its shape and dtype still fit."""
-        buf = self._buffers.get((file, name))
-        if buf is None or buf.shape != source.shape or buf.dtype != source.dtype:
-            pin = source.is_cuda and torch.cuda.is_available()
-            buf = torch.empty(source.shape, dtype=source.dtype, pin_memory=pin)
-            self._buffers[(file, name)] = buf
-        return buf
+    def _allocate(self, layout: Layout, pin: bool) -> None:
+        """One flat byte buffer for `layout`, and a view of it per tensor."""
+        self._flat = None  # the old one goes first: never two at once
+        offsets, total = [], 0
+        for _, _, shape, dtype in layout:
+            offsets.append(total)
+            nbytes = math.prod(shape) * dtype.itemsize
+            total += -(-nbytes // ALIGN) * ALIGN
+        flat = torch.empty(max(total, 1), dtype=torch.uint8, pin_memory=pin)
+        views = []
+        for (_, _, shape, dtype), offset in zip(layout, offsets, strict=True):
+            nbytes = math.prod(shape) * dtype.itemsize
+            views.append(flat[offset : offset + nbytes].view(dtype).view(shape))
+        self._flat, self._layout, self._views = flat, layout, views
