@@ -300,6 +300,11 @@ class CheckpointConfig:
     """What a resume does with the checkpoint's in-flight and short targets: `lossless` re-
     dispatches in-flight prompts; `keep_incomplete` and `drop_incomplete` reproduce NeMo RL's
     lossy resumes (see the README)."""
+    staging_buffer: Literal["auto", "keep", "release"] = field(default="auto", metadata=MAY_CHANGE)
+    """The one CPU copy a save stages the state into (~12 bytes per parameter with AdamW):
+    `keep` reuses it from save to save (no allocation after the first save, but held for the
+    whole run), `release` gives it back after each write (fresh pages at every save), `auto`
+    keeps it only when it is pinned memory staging GPU tensors. See docs/checkpoint.md."""
 
     def validate(self) -> None:
         _require(self.save_period >= 1, "checkpoint.save_period", self.save_period, ">= 1")

@@ -35,6 +35,7 @@ FROZEN_CONFIG_KEYS = [
     "algo.lam", "algo.normalize_advantages", "algo.ppo_epochs", "algo.num_minibatches",
     "algo.critic_lr", "algo.value_clip_eps", "algo.critic_warmup_steps", "algo.tis_cap",
     "checkpoint.save_period", "checkpoint.keep_last", "checkpoint.resume_policy",
+    "checkpoint.staging_buffer",
     "logging.progress", "logging.tensorboard", "logging.plot",
     "ray.address", "ray.num_cpus_per_worker",
 ]  # fmt: skip

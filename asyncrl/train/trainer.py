@@ -101,7 +101,9 @@ class Trainer:
         self.attempt = run.attempt
         self.last_saved_step = -1
         self._start_s = time.perf_counter()
-        self.staging = StagingArea()
+        self.staging = StagingArea(
+            {"auto": None, "keep": True, "release": False}[config.checkpoint.staging_buffer]
+        )
         self.writer = CheckpointWriter(
             run.store,
             config_hash(config),
