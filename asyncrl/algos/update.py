@@ -13,7 +13,7 @@ import torch
 from transformers import PreTrainedModel
 
 from asyncrl.config import AlgoConfig
-from asyncrl.core.losses import kl_estimate, masked_mean, masked_sum, normaliser_of
+from asyncrl.core.losses import kl_estimate, masked_mean, masked_sum, normalise
 from asyncrl.core.types import Group
 from asyncrl.models.policy import completion_logprobs
 
@@ -127,14 +127,13 @@ def regularise(
     entropy bonus, each a masked sum over `normaliser` (the step's real tokens; default the
     mask's); terms with a zero coefficient are not added at all (the loss stays bit-identical
     to the bare surrogate). The stats are this micro-batch's token means."""
-    norm = normaliser_of(mask) if normaliser is None else normaliser
     stats = {"entropy": float(masked_mean(entropy.detach(), mask))}
     if ref_logprobs is not None:
         kl = kl_estimate(logprobs, ref_logprobs, config.kl_estimator)
         stats["kl_ref"] = float(masked_mean(kl.detach(), mask))
-        loss = loss + config.kl_coef * (masked_sum(kl, mask) / norm)
+        loss = loss + config.kl_coef * normalise(masked_sum(kl, mask), mask, normaliser)
     if config.entropy_coef > 0:
-        loss = loss - config.entropy_coef * (masked_sum(entropy, mask) / norm)
+        loss = loss - config.entropy_coef * normalise(masked_sum(entropy, mask), mask, normaliser)
     return loss, stats
 
 

@@ -36,7 +36,9 @@ from asyncrl.checkpoint.legacy import json_parts_from_v1, parts_from_v1
 from asyncrl.checkpoint.store import FORMAT_VERSION, CheckpointError, FileSource, Verified
 from asyncrl.checkpoint.tensorfile import read_tensors, tensor_writer
 
-FILES = ("model.safetensors", "state.safetensors", "state.json")
+MODEL_FILE = "model.safetensors"
+STATE_FILE = "state.safetensors"
+FILES = (MODEL_FILE, STATE_FILE, "state.json")
 """Every checkpoint holds exactly these (plus manifest.json)."""
 MODEL_PART = "model"
 """The part stored in model.safetensors under its own tensor names."""
@@ -152,10 +154,21 @@ def encode(snapshot: Snapshot) -> dict[str, FileSource]:
         name: flatten_part(name, state, model_tensors if name == MODEL_PART else tensors)
         for name, state in snapshot.parts.items()
     }
-    state_json = {"format_version": FORMAT_VERSION, "parts": parts, "config": snapshot.config}
+    return checkpoint_files(parts, snapshot.config, model_tensors, tensors)
+
+
+def checkpoint_files(
+    trees: dict[str, Any],
+    config: dict[str, Any],
+    model_tensors: dict[str, torch.Tensor],
+    tensors: dict[str, torch.Tensor],
+) -> dict[str, FileSource]:
+    """The files of format 2 from the parts' JSON trees and the tensors they name: the tensor
+    files as writers that stream them, state.json as bytes."""
+    state_json = {"format_version": FORMAT_VERSION, "parts": trees, "config": config}
     return {
-        "model.safetensors": tensor_writer(model_tensors),
-        "state.safetensors": tensor_writer(tensors),
+        MODEL_FILE: tensor_writer(model_tensors),
+        STATE_FILE: tensor_writer(tensors),
         "state.json": json.dumps(state_json).encode(),
     }
 
@@ -192,8 +205,8 @@ def decode(verified: Verified) -> Snapshot:
     verification is refused."""
     state = read_state(verified)
     try:
-        model = verified.read_with("model.safetensors", read_tensors)
-        tensors = verified.read_with("state.safetensors", read_tensors)
+        model = verified.read_with(MODEL_FILE, read_tensors)
+        tensors = verified.read_with(STATE_FILE, read_tensors)
     except (KeyError, ValueError, OSError) as err:
         raise CheckpointError(f"{verified.path}: tensors unreadable ({err})") from None
     try:
@@ -226,7 +239,7 @@ def check_tensor_files(verified: Verified, parts: dict[str, Any]) -> None:
     """Refuses a checkpoint whose tensor files are not safetensors, or (format 2) lack a tensor
     its state names. Reads only the files' headers."""
     headers: dict[str, set[str]] = {}
-    for name in ("model.safetensors", "state.safetensors"):
+    for name in (MODEL_FILE, STATE_FILE):
         try:
             with safe_open(verified.path / name, "pt") as f:
                 headers[name] = set(f.keys())
@@ -235,7 +248,7 @@ def check_tensor_files(verified: Verified, parts: dict[str, Any]) -> None:
     if format_version(verified) == 1:
         return
     for part, tree in parts.items():
-        file = "model.safetensors" if part == MODEL_PART else "state.safetensors"
+        file = MODEL_FILE if part == MODEL_PART else STATE_FILE
         missing = sorted(_tensor_refs(tree, set()) - headers[file])
         if missing:
             raise CheckpointError(

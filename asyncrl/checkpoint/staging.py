@@ -29,7 +29,6 @@ files are written; the trainer waits for the writer before it stages again).
 
 from __future__ import annotations
 
-import json
 import math
 import threading
 import time
@@ -40,12 +39,16 @@ from typing import Any
 import torch
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
-from asyncrl.checkpoint.snapshot import MODEL_PART, Snapshot, flatten_part, unflatten
-from asyncrl.checkpoint.store import FORMAT_VERSION, FileSource
-from asyncrl.checkpoint.tensorfile import tensor_writer
-
-MODEL_FILE = "model.safetensors"
-STATE_FILE = "state.safetensors"
+from asyncrl.checkpoint.snapshot import (
+    MODEL_FILE,
+    MODEL_PART,
+    STATE_FILE,
+    Snapshot,
+    checkpoint_files,
+    flatten_part,
+    unflatten,
+)
+from asyncrl.checkpoint.store import FileSource
 
 
 class StagingJob:
@@ -174,12 +177,9 @@ class Cut:
         """The checkpoint's files (format 2) as `CheckpointStore.save` takes them: the tensor
         files streamed from the staging buffers, state.json as bytes. Waits for the copy."""
         self.wait_staged()
-        state_json = {"format_version": FORMAT_VERSION, "parts": self.trees, "config": self.config}
-        return {
-            MODEL_FILE: tensor_writer(self.tensors[MODEL_FILE]),
-            STATE_FILE: tensor_writer(self.tensors[STATE_FILE]),
-            "state.json": json.dumps(state_json).encode(),
-        }
+        return checkpoint_files(
+            self.trees, self.config, self.tensors[MODEL_FILE], self.tensors[STATE_FILE]
+        )
 
     def snapshot(self) -> Snapshot:
         """The cut as a `Snapshot` whose tensors are the staging buffers (valid until the next

@@ -32,9 +32,10 @@ def normaliser_of(mask: torch.Tensor) -> torch.Tensor:
     return mask.to(torch.float32).sum().clamp(min=1.0)
 
 
-def _divide(
+def normalise(
     total: torch.Tensor, mask: torch.Tensor, normaliser: torch.Tensor | None
 ) -> torch.Tensor:
+    """A masked sum over the step's `normaliser`, or (None) over `mask`'s own real tokens."""
     return total / (normaliser_of(mask) if normaliser is None else normaliser)
 
 
@@ -66,7 +67,7 @@ class ClippedPolicyLoss:
         clipped = ratio.clamp(1.0 - self.clip_eps, 1.0 + self.clip_eps)
         unweighted = torch.minimum(ratio * advantages, clipped * advantages)
         surrogate = unweighted if is_weights is None else is_weights * unweighted
-        loss = -_divide(masked_sum(surrogate, mask), mask, normaliser)
+        loss = -normalise(masked_sum(surrogate, mask), mask, normaliser)
         with torch.no_grad():
             was_clipped = (ratio * advantages != unweighted).float()
             approx_kl = (ratio - 1.0) - log_ratio  # k3 estimator of KL(old || current)
@@ -104,7 +105,7 @@ class ClippedValueLoss:
             clip_frac = float(masked_mean((clipped_error > error).float(), mask))
         else:
             loss_per_token, clip_frac = error, 0.0
-        loss = 0.5 * _divide(masked_sum(loss_per_token, mask), mask, normaliser)
+        loss = 0.5 * normalise(masked_sum(loss_per_token, mask), mask, normaliser)
         return loss, {"value_clip_frac": clip_frac}
 
 
