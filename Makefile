@@ -5,7 +5,7 @@ BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 RUN_DIR ?= runs/demo-$(shell date +%Y%m%d-%H%M%S)
 
-.PHONY: setup demo ppo-demo rloo-demo test lint bench bench-algos bench-ray bench-scale chaos docs clean
+.PHONY: setup demo ppo-demo rloo-demo test lint bench bench-algos bench-ray bench-scale bench-reward chaos docs clean
 
 setup: $(STAMP)
 
@@ -46,6 +46,9 @@ bench-ray: setup
 
 bench-scale: setup
 	$(BIN)/python benchmarks/scale.py
+
+bench-reward: setup
+	$(BIN)/python benchmarks/time_to_reward.py
 
 chaos: setup
 	$(BIN)/python benchmarks/chaos.py --trials 200

@@ -212,6 +212,12 @@ class TrainConfig:
     """Sequences per forward/backward pass; 0 = the whole step (or PPO minibatch) at once.
     Losses are masked sums over the step's normaliser, so the gradient does not depend on it
     (up to floating-point summation order): it only bounds activation memory."""
+    shared_prompts: bool = field(default=True, metadata=MAY_CHANGE_UNLESS_DETERMINISTIC)
+    """Run each distinct prompt of a micro-batch through the model once and its samples'
+    completions against that pass's KV cache, instead of prompt + completion for every sample:
+    the same log-probs and gradients (up to float summation order) for a G-th of the prompt
+    tokens' work. `false`: one full pass per sample (a model whose KV cache cannot carry a
+    gradient needs it)."""
 
     def validate(self) -> None:
         _check_device("train.device", self.device)
@@ -233,6 +239,20 @@ class AlgoConfig:
     """AdamW learning rate of the policy."""
     weight_decay: float = 0.0
     """AdamW weight decay (policy and critic)."""
+    adam_beta1: float = 0.9
+    """AdamW's beta1, the decay of the gradient's running mean (policy and critic)."""
+    adam_beta2: float = 0.999
+    """AdamW's beta2, the decay of the squared gradient's running mean (policy and critic).
+    0.999 is torch's and Hugging Face's default; the demo uses 0.99, whose step size follows
+    the shrinking gradients of the late phase (docs/time_to_reward.md)."""
+    adam_epsilon: float = 1e-8
+    """AdamW's epsilon, added to the root of the squared-gradient mean (policy and critic)."""
+    loss_aggregation: Literal["token_mean", "sequence_mean", "constant"] = "token_mean"
+    """How the policy loss (and the KL and entropy terms) sum over a step's tokens:
+    `token_mean` divides by the step's real tokens (DAPO; TRL's `dapo`), `sequence_mean`
+    averages each sequence's token mean over the sequences (the original GRPO),
+    `constant` divides by sequences x `rollout.max_new_tokens` (Dr. GRPO). PPO applies it per
+    minibatch; its value loss is always the token mean."""
     max_grad_norm: float = 1.0
     """Gradients are clipped to this global norm (policy and critic each); 0 disables
     clipping."""
@@ -256,6 +276,9 @@ class AlgoConfig:
     def validate(self) -> None:
         _require(self.lr > 0, "algo.lr", self.lr, "> 0")
         _require(self.weight_decay >= 0, "algo.weight_decay", self.weight_decay, ">= 0")
+        _require(0 <= self.adam_beta1 < 1, "algo.adam_beta1", self.adam_beta1, "in [0, 1)")
+        _require(0 <= self.adam_beta2 < 1, "algo.adam_beta2", self.adam_beta2, "in [0, 1)")
+        _require(self.adam_epsilon > 0, "algo.adam_epsilon", self.adam_epsilon, "> 0")
         _require(self.max_grad_norm >= 0, "algo.max_grad_norm", self.max_grad_norm, ">= 0")
         _require(0 < self.clip_eps < 1, "algo.clip_eps", self.clip_eps, "in (0, 1)")
         _require(self.kl_coef >= 0, "algo.kl_coef", self.kl_coef, ">= 0")

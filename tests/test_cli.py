@@ -27,9 +27,12 @@ FROZEN_CONFIG_KEYS = [
     "rollout.max_new_tokens", "rollout.temperature", "rollout.max_trajectory_age_steps",
     "rollout.max_generation_failures", "rollout.groups_per_batch", "rollout.engine",
     "rollout.backend", "rollout.num_workers", "rollout.device", "rollout.dtype",
-    "train.device", "train.dtype", "train.micro_batch_size",
-    "algo.name", "algo.lr", "algo.weight_decay", "algo.max_grad_norm", "algo.clip_eps",
+    "train.device", "train.dtype", "train.micro_batch_size", "train.shared_prompts",
+    "algo.name", "algo.lr", "algo.weight_decay", "algo.adam_beta1", "algo.adam_beta2",
+    "algo.adam_epsilon", "algo.loss_aggregation", "algo.max_grad_norm", "algo.clip_eps",
     "algo.kl_coef", "algo.kl_estimator", "algo.entropy_coef",
+    # the `grpo` algorithm's own keys (asyncrl/algos/grpo.py GRPOOptions)
+    "algo.scale_rewards",
     # the `ppo` algorithm's own keys (asyncrl/algos/ppo.py PPOOptions)
     "algo.kl_in_reward", "algo.gamma",
     "algo.lam", "algo.normalize_advantages", "algo.ppo_epochs", "algo.num_minibatches",

@@ -45,6 +45,9 @@ ALGOS = {
         "algo.lr=1e-5",
         "algo.critic_lr=1e-5",
     ),
+    "grpo-sequence-mean": ("algo.loss_aggregation=sequence_mean", "algo.scale_rewards=none"),
+    "ppo-constant": ("algo.name=ppo", "algo.loss_aggregation=constant"),
+    "grpo-full-passes": ("train.shared_prompts=false",),
 }
 
 
@@ -114,11 +117,12 @@ def test_a_per_micro_batch_mean_would_be_caught(groups, monkeypatch):
     """Negative control: the same comparison fails when each micro-batch is divided by its own
     token count (the losses' default without the step's normaliser)."""
     oracle, _ = gradients_of_each_update(ALGOS["grpo"], 0, groups)
-    monkeypatch.setattr(grpo, "normaliser_of", lambda mask: None)
+    monkeypatch.setattr(grpo, "loss_weights", lambda mask, how, tokens: (mask, None))
     grads, _ = gradients_of_each_update(ALGOS["grpo"], 4, groups)
     assert worst_relative_error(oracle, grads) > 1e-2
     monkeypatch.undo()
     monkeypatch.setattr(ppo, "normaliser_of", lambda mask: None)
+    monkeypatch.setattr(ppo, "loss_weights", lambda mask, how, tokens: (mask, None))
     oracle, _ = gradients_of_each_update(ALGOS["ppo-minibatches-epochs"], 0, groups)
     grads, _ = gradients_of_each_update(ALGOS["ppo-minibatches-epochs"], 4, groups)
     assert worst_relative_error(oracle, grads) > 1e-2

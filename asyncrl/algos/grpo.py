@@ -7,14 +7,16 @@ group's rewards into advantages overrides `advantages` (RLOO does)."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, ClassVar
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
 import torch
 
-from asyncrl.algos.base import NoOptions, load_policy_state, policy_state
+from asyncrl.algos.base import load_policy_state, policy_state
 from asyncrl.algos.update import (
     ReferencePolicy,
     StepStats,
+    adamw,
     apply_gradients,
     backward,
     batch_logprobs,
@@ -24,8 +26,8 @@ from asyncrl.algos.update import (
     stack_groups,
     to_device,
 )
-from asyncrl.core.advantages import group_advantages
-from asyncrl.core.losses import ClippedPolicyLoss, normaliser_of
+from asyncrl.core.advantages import scaled_group_advantages
+from asyncrl.core.losses import ClippedPolicyLoss, loss_weights
 from asyncrl.core.types import Group
 from asyncrl.models.device import autocast, model_device
 
@@ -34,9 +36,20 @@ if TYPE_CHECKING:
     from asyncrl.models.policy import Policy
 
 
+@dataclass
+class GRPOOptions:
+    scale_rewards: Literal["group", "batch", "none"] = "group"
+    """What a sample's advantage `r - mean(group)` is divided by: `group` the std of its
+    group's rewards (GRPO), `batch` the std of the step's rewards, `none` nothing (Dr. GRPO;
+    a group with little spread then weighs little instead of as much as any other)."""
+
+    def validate(self, config: Config) -> None:
+        return None
+
+
 class GRPO:
     name: ClassVar[str] = "grpo"
-    Options: ClassVar[type] = NoOptions
+    Options: ClassVar[type] = GRPOOptions
 
     def __init__(self, policy: Policy, config: Config) -> None:
         self.model = policy.model
@@ -46,17 +59,19 @@ class GRPO:
         self.device = model_device(policy.model)
         self.dtype = config.train.dtype
         self.micro_batch_size = config.train.micro_batch_size
+        self.shared_prompts = config.train.shared_prompts
         # built before any checkpoint is loaded: a copy of the policy's initial weights
-        self.reference = ReferencePolicy(policy.model) if config.algo.kl_coef > 0 else None
-        self.loss_fn = ClippedPolicyLoss(clip_eps=config.algo.clip_eps)
-        self.optimizer = torch.optim.AdamW(
-            self.model.parameters(), lr=config.algo.lr, weight_decay=config.algo.weight_decay
+        self.reference = (
+            ReferencePolicy(policy.model, self.shared_prompts) if config.algo.kl_coef > 0 else None
         )
+        self.loss_fn = ClippedPolicyLoss(clip_eps=config.algo.clip_eps)
+        self.max_new_tokens = config.rollout.max_new_tokens
+        self.optimizer = adamw(self.model.parameters(), config.algo.lr, config.algo)
 
-    @staticmethod
-    def advantages(rewards: torch.Tensor) -> torch.Tensor:
-        """[N, G] rewards -> [N, G] advantages: `(r - mean) / (std + 1e-6)` per group."""
-        return group_advantages(rewards)
+    def advantages(self, rewards: torch.Tensor) -> torch.Tensor:
+        """[N, G] rewards -> [N, G] advantages: `(r - mean) / (std + 1e-6)` per group, the std
+        as `algo.scale_rewards` says."""
+        return scaled_group_advantages(rewards, self.config.options.scale_rewards)
 
     def step(self, groups: list[Group], step: int) -> dict[str, float]:
         """One optimizer update on the step's groups, accumulated over micro-batches of
@@ -64,7 +79,8 @@ class GRPO:
         batch = to_device(stack_groups(groups, self.pad_id), self.device)
         rewards, mask = batch["rewards"], batch["completion_mask"]
         advantages = self.advantages(rewards).reshape(-1, 1)  # [B, 1]
-        normaliser = normaliser_of(mask)  # the step's real tokens: every micro-batch's divisor
+        # every micro-batch's loss is a weighted sum over the step's one normaliser
+        weights, normaliser = loss_weights(mask, self.config.loss_aggregation, self.max_new_tokens)
         self.model.train()
         self.optimizer.zero_grad(set_to_none=True)
         loss_total, stats = 0.0, StepStats()
@@ -83,6 +99,7 @@ class GRPO:
                     self.temperature,
                     self.pad_id,
                     entropy_grad=self.config.entropy_coef > 0,
+                    shared_prompts=self.shared_prompts,
                 )
             loss, loss_stats = self.loss_fn(
                 logprobs,
@@ -90,9 +107,17 @@ class GRPO:
                 advantages[rows],
                 part_mask,
                 normaliser=normaliser,
+                token_weights=weights[rows],
             )
             loss, extra = regularise(
-                loss, logprobs, entropy, ref_logprobs, part_mask, self.config, normaliser
+                loss,
+                logprobs,
+                entropy,
+                ref_logprobs,
+                part_mask,
+                self.config,
+                normaliser,
+                weights[rows],
             )
             loss_total += backward(loss)
             stats.add({**loss_stats, **extra}, float(part_mask.sum()))

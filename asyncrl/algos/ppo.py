@@ -28,6 +28,7 @@ from asyncrl.algos.base import load_policy_state, policy_state
 from asyncrl.algos.update import (
     ReferencePolicy,
     StepStats,
+    adamw,
     apply_gradients,
     backward,
     batch_logprobs,
@@ -45,6 +46,7 @@ from asyncrl.core.losses import (
     ClippedValueLoss,
     explained_variance,
     kl_estimate,
+    loss_weights,
     masked_mean,
     normaliser_of,
     truncated_is_weights,
@@ -133,10 +135,14 @@ class PPO:
         self.device = model_device(policy.model)
         self.dtype = config.train.dtype
         self.micro_batch_size = config.train.micro_batch_size
+        self.shared_prompts = config.train.shared_prompts
+        self.max_new_tokens = config.rollout.max_new_tokens
         # built before any checkpoint is loaded: both copy the policy's initial weights
         self.critic = build_critic(policy, config.model, config.run.seed)
         place(self.critic, self.device)
-        self.reference = ReferencePolicy(policy.model) if algo.kl_coef > 0 else None
+        self.reference = (
+            ReferencePolicy(policy.model, self.shared_prompts) if algo.kl_coef > 0 else None
+        )
         self.config = algo
         self.options = opt
         self.temperature = config.rollout.temperature
@@ -144,12 +150,8 @@ class PPO:
         self.seed = config.run.seed
         self.policy_loss = ClippedPolicyLoss(clip_eps=algo.clip_eps)
         self.value_loss = ClippedValueLoss(clip_eps=opt.value_clip_eps)
-        self.optimizer = torch.optim.AdamW(
-            self.model.parameters(), lr=algo.lr, weight_decay=algo.weight_decay
-        )
-        self.critic_optimizer = torch.optim.AdamW(
-            self.critic.parameters(), lr=opt.critic_lr, weight_decay=algo.weight_decay
-        )
+        self.optimizer = adamw(self.model.parameters(), algo.lr, algo)
+        self.critic_optimizer = adamw(self.critic.parameters(), opt.critic_lr, algo)
 
     def policy_weights(self) -> dict[str, torch.Tensor]:
         return self.model.state_dict()
@@ -180,6 +182,7 @@ class PPO:
                 self.temperature,
                 self.pad_id,
                 entropy_grad=self.config.entropy_coef > 0,
+                shared_prompts=self.shared_prompts,
             )
 
     def _values(self, batch: dict[str, Any]) -> torch.Tensor:
@@ -260,7 +263,10 @@ class PPO:
         for epoch in range(opt.ppo_epochs):
             for rows in minibatches(len(mask), opt.num_minibatches, self.seed, step, epoch):
                 minibatch = select(batch, rows)
-                normaliser = normaliser_of(minibatch["completion_mask"])  # the update's tokens
+                value_normaliser = normaliser_of(minibatch["completion_mask"])  # its tokens
+                weights, normaliser = loss_weights(
+                    minibatch["completion_mask"], cfg.loss_aggregation, self.max_new_tokens
+                )
                 self.critic_optimizer.zero_grad(set_to_none=True)
                 self.optimizer.zero_grad(set_to_none=True)
                 losses = {"loss": 0.0, "value_loss": 0.0, "policy_loss": 0.0}
@@ -274,7 +280,7 @@ class PPO:
                         old_values[part_rows],
                         returns[part_rows],
                         part_mask,
-                        normaliser,
+                        value_normaliser,
                     )
                     losses["value_loss"] += backward(value_loss, "value loss")
                     with torch.set_grad_enabled(train_policy):
@@ -286,13 +292,21 @@ class PPO:
                             part_mask,
                             is_weights[part_rows],
                             normaliser,
+                            weights[micro],
                         )
                         losses["policy_loss"] += loss.item()
                         use_ref = (
                             ref[part_rows] if ref is not None and not opt.kl_in_reward else None
                         )
                         loss, extra = regularise(
-                            loss, logprobs, entropy, use_ref, part_mask, cfg, normaliser
+                            loss,
+                            logprobs,
+                            entropy,
+                            use_ref,
+                            part_mask,
+                            cfg,
+                            normaliser,
+                            weights[micro],
                         )
                     losses["loss"] += backward(loss) if train_policy else loss.item()
                     stats.add({**value_stats, **policy_stats, **extra}, float(part_mask.sum()))

@@ -51,6 +51,5 @@ class RLOO(GRPO):
     name: ClassVar[str] = "rloo"
     Options: ClassVar[type] = RLOOOptions
 
-    @staticmethod
-    def advantages(rewards: torch.Tensor) -> torch.Tensor:
+    def advantages(self, rewards: torch.Tensor) -> torch.Tensor:
         return leave_one_out_advantages(rewards)

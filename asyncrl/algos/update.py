@@ -97,9 +97,11 @@ def batch_logprobs(
     temperature: float,
     pad_id: int,
     entropy_grad: bool = False,
+    shared_prompts: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Log-probs and entropies [B, T] of a stacked batch's completion tokens under `model`
-    (the entropy differentiable only with `entropy_grad`)."""
+    (the entropy differentiable only with `entropy_grad`; each distinct prompt run once with
+    `shared_prompts`, `train.shared_prompts`)."""
     logprobs, entropy = completion_logprobs(
         model,
         batch["prompts"],
@@ -109,6 +111,7 @@ def batch_logprobs(
         pad_id,
         with_entropy=True,
         entropy_grad=entropy_grad,
+        shared_prompts=shared_prompts,
     )
     assert entropy is not None
     return logprobs, entropy
@@ -122,19 +125,37 @@ def regularise(
     mask: torch.Tensor,
     config: AlgoConfig,
     normaliser: torch.Tensor | None = None,
+    token_weights: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """Adds the KL penalty to the reference (when `ref_logprobs` is given) and subtracts the
-    entropy bonus, each a masked sum over `normaliser` (the step's real tokens; default the
-    mask's); terms with a zero coefficient are not added at all (the loss stays bit-identical
-    to the bare surrogate). The stats are this micro-batch's token means."""
+    entropy bonus, each a sum over `token_weights` (`loss_weights`; default the mask) divided
+    by `normaliser` (default the mask's real tokens), as the policy loss is; terms with a zero
+    coefficient are not added at all (the loss stays bit-identical to the bare surrogate). The
+    stats are this micro-batch's token means."""
+    weights = mask if token_weights is None else token_weights
     stats = {"entropy": float(masked_mean(entropy.detach(), mask))}
     if ref_logprobs is not None:
         kl = kl_estimate(logprobs, ref_logprobs, config.kl_estimator)
         stats["kl_ref"] = float(masked_mean(kl.detach(), mask))
-        loss = loss + config.kl_coef * normalise(masked_sum(kl, mask), mask, normaliser)
+        loss = loss + config.kl_coef * normalise(masked_sum(kl, weights), mask, normaliser)
     if config.entropy_coef > 0:
-        loss = loss - config.entropy_coef * normalise(masked_sum(entropy, mask), mask, normaliser)
+        bonus = normalise(masked_sum(entropy, weights), mask, normaliser)
+        loss = loss - config.entropy_coef * bonus
     return loss, stats
+
+
+def adamw(
+    parameters: Iterable[torch.nn.Parameter], lr: float, config: AlgoConfig
+) -> torch.optim.AdamW:
+    """AdamW over `parameters` at `lr` with the run's `algo.weight_decay`, `algo.adam_beta1`,
+    `algo.adam_beta2` and `algo.adam_epsilon` (the policy's and the critic's optimizer)."""
+    return torch.optim.AdamW(
+        parameters,
+        lr=lr,
+        betas=(config.adam_beta1, config.adam_beta2),
+        eps=config.adam_epsilon,
+        weight_decay=config.weight_decay,
+    )
 
 
 def backward(loss: torch.Tensor, what: str = "loss") -> float:
@@ -200,7 +221,8 @@ class ReferencePolicy:
     `run.seed`, or `model.path`) before loading a checkpoint, so this copy is the same each
     time. `sha256` lets a resume prove it (a `model.path` whose files changed would not be)."""
 
-    def __init__(self, initial_policy: PreTrainedModel) -> None:
+    def __init__(self, initial_policy: PreTrainedModel, shared_prompts: bool = False) -> None:
+        self.shared_prompts = shared_prompts
         self.model = copy.deepcopy(initial_policy)
         self.model.eval()
         self.model.requires_grad_(False)
@@ -215,5 +237,6 @@ class ReferencePolicy:
             batch["completion_mask"],
             temperature,
             pad_id,
+            shared_prompts=self.shared_prompts,
         )  # no entropy: the reference only needs the chosen tokens' log-probs
         return logprobs

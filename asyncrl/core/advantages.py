@@ -17,6 +17,22 @@ def group_advantages(rewards: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     return (rewards - mean) / (std + eps)
 
 
+def scaled_group_advantages(
+    rewards: torch.Tensor, scale: str = "group", eps: float = 1e-6
+) -> torch.Tensor:
+    """`r - mean_g(r)` per group, divided as `algo.scale_rewards` says: `group` by the group's
+    std (exactly `group_advantages`), `batch` by the std of all of `rewards`, `none` not at
+    all. rewards: [N, G] -> [N, G]; population stds."""
+    if scale == "group":
+        return group_advantages(rewards, eps)
+    centred = rewards - rewards.mean(dim=1, keepdim=True)
+    if scale == "batch":
+        return centred / (rewards.std(unbiased=False) + eps)
+    if scale == "none":
+        return centred
+    raise ValueError(f"unknown reward scaling {scale!r}")
+
+
 def last_token(mask: torch.Tensor) -> torch.Tensor:
     """[B, T] bool: true at each row's last real token (where its episode ends). A row with no
     real token has none."""

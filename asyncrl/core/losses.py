@@ -32,6 +32,33 @@ def normaliser_of(mask: torch.Tensor) -> torch.Tensor:
     return mask.to(torch.float32).sum().clamp(min=1.0)
 
 
+LossAggregation = Literal["token_mean", "sequence_mean", "constant"]
+
+
+def loss_weights(
+    mask: torch.Tensor, aggregation: LossAggregation, max_new_tokens: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-token weights [B, T] and the step's normaliser for `algo.loss_aggregation`: the
+    loss is `masked_sum(per-token loss, weights) / normaliser`, whatever micro-batches the
+    rows are split into.
+
+    - `token_mean`: weights = mask, normaliser = the step's real tokens (every token counts
+      the same; DAPO). Bit-identical to `masked_sum(x, mask) / normaliser_of(mask)`.
+    - `sequence_mean`: weights = 1 / (the row's real tokens), normaliser = rows with a real
+      token (every sequence counts the same; the original GRPO).
+    - `constant`: weights = mask, normaliser = rows x `max_new_tokens` (Dr. GRPO: no length
+      normalisation at all, so a long wrong answer is not penalised less per token)."""
+    if aggregation == "token_mean":
+        return mask, normaliser_of(mask)
+    real = mask.to(torch.float32)
+    if aggregation == "constant":
+        return mask, real.new_tensor(float(max(len(mask), 1) * max_new_tokens))
+    if aggregation == "sequence_mean":
+        lengths = real.sum(dim=1, keepdim=True)
+        return real / lengths.clamp(min=1.0), (lengths > 0).sum().to(torch.float32).clamp(min=1.0)
+    raise ValueError(f"unknown loss aggregation {aggregation!r}")
+
+
 def normalise(
     total: torch.Tensor, mask: torch.Tensor, normaliser: torch.Tensor | None
 ) -> torch.Tensor:
@@ -61,13 +88,15 @@ class ClippedPolicyLoss:
         mask: torch.Tensor,  # [B, T] bool
         is_weights: torch.Tensor | None = None,  # [B, T], no gradient
         normaliser: torch.Tensor | None = None,  # the step's real tokens; default: mask's
+        token_weights: torch.Tensor | None = None,  # [B, T] from `loss_weights`; default: mask
     ) -> tuple[torch.Tensor, dict[str, float]]:
         log_ratio = logprobs - old_logprobs
         ratio = torch.exp(log_ratio)
         clipped = ratio.clamp(1.0 - self.clip_eps, 1.0 + self.clip_eps)
         unweighted = torch.minimum(ratio * advantages, clipped * advantages)
         surrogate = unweighted if is_weights is None else is_weights * unweighted
-        loss = -normalise(masked_sum(surrogate, mask), mask, normaliser)
+        weights = mask if token_weights is None else token_weights
+        loss = -normalise(masked_sum(surrogate, weights), mask, normaliser)
         with torch.no_grad():
             was_clipped = (ratio * advantages != unweighted).float()
             approx_kl = (ratio - 1.0) - log_ratio  # k3 estimator of KL(old || current)

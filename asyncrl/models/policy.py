@@ -6,6 +6,7 @@ with the character tokenizer) or loads any local `save_pretrained` directory.
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -173,6 +174,65 @@ def chosen_logprobs(
     return torch.cat(chosen), (torch.cat(entropies) if with_entropy else None)
 
 
+def distinct_prompts(prompts: list[list[int]]) -> tuple[list[list[int]], list[int]]:
+    """The prompts with each run of equal consecutive rows (a group's samples) kept once, and
+    for each row the index of its prompt among them."""
+    distinct: list[list[int]] = []
+    index: list[int] = []
+    for row in prompts:
+        if not distinct or (row is not distinct[-1] and row != distinct[-1]):
+            distinct.append(row)
+        index.append(len(distinct) - 1)
+    return distinct, index
+
+
+def _keeps_logits(model: PreTrainedModel) -> bool:
+    """Whether the model's forward takes `logits_to_keep` (every current HF causal LM does)."""
+    return "logits_to_keep" in inspect.signature(model.forward).parameters
+
+
+def shared_prompt_logits(
+    model: PreTrainedModel,
+    prompts: list[list[int]],
+    completion_ids: torch.Tensor,  # [B, T] on the model's device
+    completion_mask: torch.Tensor,  # [B, T] bool
+    pad_id: int,
+) -> torch.Tensor:
+    """The logits [B, T, V] that predict each completion token, with each distinct prompt run
+    through the model once: the prompts' pass keeps its KV cache, which is indexed out to the
+    rows (a differentiable gather: the gradient of every row's attention flows back into its
+    prompt's one pass), then the completions attend to it. The same function as the full
+    prompt + completion pass (same positions, same mask); the prompt tokens of a group of G
+    samples cost one row instead of G."""
+    distinct, index = distinct_prompts(prompts)
+    device = completion_ids.device
+    rows = torch.tensor(index, device=device)
+    prompt_ids, prompt_mask = (t.to(device) for t in left_pad(distinct, pad_id))
+    keep = {"logits_to_keep": 1} if _keeps_logits(model) else {}
+    out = model(
+        input_ids=prompt_ids,
+        attention_mask=prompt_mask,
+        position_ids=position_ids(prompt_mask),
+        use_cache=True,
+        **keep,
+    )
+    first = out.logits[rows, -1:]  # predicts each row's first completion token
+    if completion_ids.shape[1] == 1:
+        return first
+    cache = out.past_key_values
+    cache.batch_select_indices(rows)
+    attention = torch.cat([prompt_mask[rows], completion_mask.long()], dim=1)
+    width = prompt_ids.shape[1]
+    rest = model(
+        input_ids=completion_ids[:, :-1],
+        attention_mask=attention[:, :-1],
+        position_ids=position_ids(attention)[:, width:-1],
+        past_key_values=cache,
+        use_cache=True,
+    ).logits  # position t predicts completion token t + 1
+    return torch.cat([first, rest], dim=1)
+
+
 def completion_logprobs(
     model: PreTrainedModel,
     prompts: list[list[int]],
@@ -182,14 +242,20 @@ def completion_logprobs(
     pad_id: int,
     with_entropy: bool = False,
     entropy_grad: bool = False,
+    shared_prompts: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Log-probs [B, T] of each completion token under `model` at `temperature`, from one
-    full forward pass over prompt + completion, and (`with_entropy`) the entropy [B, T] of each
-    position's token distribution (differentiable only with `entropy_grad`). Inputs go to the
-    model's device. Masked positions hold garbage; mask them."""
+    """Log-probs [B, T] of each completion token under `model` at `temperature`, and
+    (`with_entropy`) the entropy [B, T] of each position's token distribution (differentiable
+    only with `entropy_grad`). One full forward pass over prompt + completion per row, or,
+    with `shared_prompts`, one pass per distinct prompt and one over the completions against
+    its cache (`shared_prompt_logits`). Inputs go to the model's device. Masked positions hold
+    garbage; mask them."""
     completion_ids = completion_ids.to(model_device(model))
     completion_mask = completion_mask.to(completion_ids.device)
-    inputs, width = join_completions(prompts, completion_ids, completion_mask, pad_id)
-    logits = model(**inputs).logits
-    logits = logits[:, width - 1 : -1]  # predicts completion tokens
+    if shared_prompts:
+        logits = shared_prompt_logits(model, prompts, completion_ids, completion_mask, pad_id)
+    else:
+        inputs, width = join_completions(prompts, completion_ids, completion_mask, pad_id)
+        logits = model(**inputs, use_cache=False).logits
+        logits = logits[:, width - 1 : -1]  # predicts completion tokens
     return chosen_logprobs(logits, completion_ids, temperature, with_entropy, entropy_grad)
