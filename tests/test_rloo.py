@@ -50,9 +50,9 @@ def test_rloo_steps_with_its_own_advantages_not_grpos(monkeypatch):
     seen = []
     real = grpo.ClippedPolicyLoss.__call__
 
-    def spy(self, logprobs, old, advantages, mask, weights=None, normaliser=None):
+    def spy(self, logprobs, old, advantages, mask, *args, **kwargs):
         seen.append(advantages.clone())
-        return real(self, logprobs, old, advantages, mask, weights, normaliser)
+        return real(self, logprobs, old, advantages, mask, *args, **kwargs)
 
     monkeypatch.setattr(grpo.ClippedPolicyLoss, "__call__", spy)
     parts = build_components(small_config("algo.name=rloo"))

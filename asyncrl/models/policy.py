@@ -186,7 +186,7 @@ def distinct_prompts(prompts: list[list[int]]) -> tuple[list[list[int]], list[in
     return distinct, index
 
 
-def _keeps_logits(model: PreTrainedModel) -> bool:
+def keeps_logits(model: PreTrainedModel) -> bool:
     """Whether the model's forward takes `logits_to_keep` (every current HF causal LM does)."""
     return "logits_to_keep" in inspect.signature(model.forward).parameters
 
@@ -208,7 +208,7 @@ def shared_prompt_logits(
     device = completion_ids.device
     rows = torch.tensor(index, device=device)
     prompt_ids, prompt_mask = (t.to(device) for t in left_pad(distinct, pad_id))
-    keep = {"logits_to_keep": 1} if _keeps_logits(model) else {}
+    keep = {"logits_to_keep": 1} if keeps_logits(model) else {}
     out = model(
         input_ids=prompt_ids,
         attention_mask=prompt_mask,

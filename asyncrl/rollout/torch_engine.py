@@ -1,5 +1,6 @@
 """asyncrl's own generation engine (`rollout.engine=torch`): batched sampling with a KV cache
-on a private copy of a Hugging Face causal LM.
+on a private copy of a Hugging Face causal LM. Each request's prompt is prefilled once, and its
+cache is shared out to the request's G samples.
 
 The engine loads the version a batch asks for (by default the newest published) from its
 `WeightSource` at the start of the batch, so every token of a batch comes from one weights
@@ -17,7 +18,7 @@ from typing import ClassVar
 import torch
 
 from asyncrl.models.device import DTYPES
-from asyncrl.models.policy import left_pad, position_ids
+from asyncrl.models.policy import keeps_logits, left_pad, position_ids
 from asyncrl.rollout.engine import (
     EngineCapabilities,
     EngineSpec,
@@ -55,6 +56,7 @@ class TorchGenerationEngine:
         self.temperature = spec.temperature
         self.weights = weights
         self._loaded: int | None = None  # the version the private model holds
+        self._keeps_logits = keeps_logits(self._model)
 
     def metrics(self) -> dict[str, float]:
         return {}
@@ -90,7 +92,6 @@ class TorchGenerationEngine:
     ) -> list[GenerationOutput]:
         """Samples every request in one batch with weights `version` (default: the newest)."""
         version = self._load(version)
-        prompts = [r.prompt_ids for r in requests for _ in range(r.num_samples)]
         uniforms = torch.cat(
             [
                 torch.rand(
@@ -101,7 +102,8 @@ class TorchGenerationEngine:
                 for r in requests
             ]
         ).to(self.device)  # drawn on the CPU: the same noise on every device
-        tokens, logprobs, mask = (t.cpu() for t in self._sample(prompts, uniforms))
+        sampled = self._sample(requests, uniforms)
+        tokens, logprobs, mask = (t.cpu() for t in sampled)
         outputs, start = [], 0
         for r in requests:
             rows = slice(start, start + r.num_samples)
@@ -112,16 +114,31 @@ class TorchGenerationEngine:
         return outputs
 
     def _sample(
-        self, prompts: list[list[int]], uniforms: torch.Tensor
+        self, requests: list[GenerationRequest], uniforms: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Each request's prompt is prefilled once; its KV cache and last logits are then
+        indexed out to the request's samples (row i of the batch is a sample of request
+        `rows[i]`), which decode together."""
+        prompts = [r.prompt_ids for r in requests]
         input_ids, attention = (t.to(self.device) for t in left_pad(prompts, self.pad_id))
         positions = position_ids(attention)
-        batch = len(prompts)
+        rows = torch.repeat_interleave(
+            torch.arange(len(requests)), torch.tensor([r.num_samples for r in requests])
+        ).to(self.device)
+        keep = {"logits_to_keep": 1} if self._keeps_logits else {}
+        out = self._model(
+            input_ids=input_ids,
+            attention_mask=attention,
+            position_ids=positions,
+            use_cache=True,
+            **keep,
+        )
+        out.past_key_values.batch_select_indices(rows)
+        out.logits = out.logits[rows]
+        attention, positions = attention[rows], positions[rows]
+        batch = len(rows)
         finished = torch.zeros(batch, dtype=torch.bool, device=self.device)
         tokens, logprobs, masks = [], [], []
-        out = self._model(
-            input_ids=input_ids, attention_mask=attention, position_ids=positions, use_cache=True
-        )
         for step in range(self.max_new_tokens):
             step_logprobs = torch.log_softmax(out.logits[:, -1].float() / self.temperature, -1)
             token = sample_inverse_cdf(step_logprobs.exp(), uniforms[:, step])
