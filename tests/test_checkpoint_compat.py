@@ -10,7 +10,8 @@ checkpoint became durable (`ASYNCRL_FAULT=checkpoint.parent_fsynced:2`), with th
     det — `run.deterministic=true` (older weights versions in the checkpoint).
 
 `det_uninterrupted_metrics.jsonl` is the same deterministic run, never killed, by that code:
-the oracle the resumed run must match bit for bit.
+the oracle the resumed run must match, its samples bit for bit and its losses up to the float
+summation order today's code uses.
 """
 
 from __future__ import annotations
@@ -80,7 +81,7 @@ def test_a_format_1_checkpoint_resumes_losslessly(tmp_path, repo_root, name):
     assert audit.returncode == 0 and "I1 ok, I3 ok" in audit.stdout, audit.stdout
 
 
-def test_a_deterministic_format_1_checkpoint_resumes_bitwise_the_uninterrupted_run(
+def test_a_deterministic_format_1_checkpoint_resumes_the_uninterrupted_runs_samples(
     tmp_path, repo_root
 ):
     run = tmp_path / "det"
@@ -91,5 +92,11 @@ def test_a_deterministic_format_1_checkpoint_resumes_bitwise_the_uninterrupted_r
     resumed = {r["step"]: r for r in read_records(run / "metrics.jsonl") if r["attempt"] == 1}
     assert sorted(resumed) == list(range(6, 12))
     for step, record in resumed.items():
-        for key in ("loss", "reward_mean", "tokens_sha256", "grad_norm", "prompt_ordinals"):
+        for key in ("reward_mean", "tokens_sha256", "prompt_ordinals"):
             assert record[key] == oracle[step][key], (step, key)
+        # the same samples, and the same losses up to float summation order: the code has
+        # since changed how sums are ordered (each prompt run once in the training pass and
+        # in the engine's prefill, fused AdamW), and I5 is a same-software promise
+        # (docs/determinism.md); same-code bitwise resume is tests/test_determinism.py's
+        for key in ("loss", "grad_norm"):
+            assert record[key] == pytest.approx(oracle[step][key], rel=1e-4), (step, key)

@@ -148,13 +148,20 @@ def adamw(
     parameters: Iterable[torch.nn.Parameter], lr: float, config: AlgoConfig
 ) -> torch.optim.AdamW:
     """AdamW over `parameters` at `lr` with the run's `algo.weight_decay`, `algo.adam_beta1`,
-    `algo.adam_beta2` and `algo.adam_epsilon` (the policy's and the critic's optimizer)."""
+    `algo.adam_beta2` and `algo.adam_epsilon` (the policy's and the critic's optimizer).
+
+    The fused implementation (one kernel for all tensors) where the parameters are on a CPU or
+    CUDA device: on the demo's CPU model a step takes 1.0 ms against 4.4 ms for torch's
+    default per-tensor loop there (docs/time_to_reward.md)."""
+    params = list(parameters)
+    fused = all(p.device.type in ("cpu", "cuda") for p in params)
     return torch.optim.AdamW(
-        parameters,
+        params,
         lr=lr,
         betas=(config.adam_beta1, config.adam_beta2),
         eps=config.adam_epsilon,
         weight_decay=config.weight_decay,
+        fused=fused or None,
     )
 
 
