@@ -7,7 +7,7 @@ steps/s, and the final reward (mean over the last 10% of the steps trained).
 
     .venv/bin/python benchmarks/time_to_reward.py                       # `make bench-reward`
     .venv/bin/python benchmarks/time_to_reward.py --seeds 2 --set algo.lr=1e-3
-    .venv/bin/python benchmarks/time_to_reward.py --compare DIR_A DIR_B --plot variants.png
+    .venv/bin/python benchmarks/time_to_reward.py --compare DIR_A DIR_B --table --plot out.png
 
 Seconds are the run's own `wall_s` (metrics.jsonl): from the trainer's start, after the model
 and task are built, so Python's imports are not counted. Every run dir and a `summary.json`
@@ -163,6 +163,26 @@ def report(results: list[SeedResult], thresholds: tuple[float, ...], label: str)
     return lines
 
 
+def table(rows: list[tuple[str, list[SeedResult]]], thresholds: tuple[float, ...]) -> str:
+    """A markdown table: one row per benchmark dir, medians over its seeds, and each
+    threshold's steps per seed (— where a seed did not reach it)."""
+    head = ["variant", "seeds", "steps/s", "final"]
+    head += [f"s to {t:g}" for t in thresholds] + [f"steps to {t:g} (per seed)" for t in thresholds]
+    lines = ["| " + " | ".join(head) + " |", "|" + " --- |" * len(head)]
+    for label, results in rows:
+        cells = [label, str(len(results))]
+        cells.append(f"{statistics.median(r.steps_per_s for r in results):.2f}")
+        cells.append(f"{statistics.median(r.final_reward for r in results):.3f}")
+        for t in thresholds:
+            reached = median_reached(results, f"{t:g}")
+            cells.append("—" if reached is None else f"{reached[0]:.0f}")
+        for t in thresholds:
+            steps = [r.reached[f"{t:g}"] for r in results]
+            cells.append(", ".join("—" if v is None else f"{v[1]}" for v in steps))
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
 def load_summary(directory: Path) -> tuple[dict[str, Any], list[SeedResult]]:
     summary = json.loads((directory / "summary.json").read_text())
     results = []
@@ -220,11 +240,14 @@ def main() -> None:
         "--compare", type=Path, nargs="+", default=None, help="report saved benchmark dirs"
     )
     parser.add_argument("--plot", type=Path, default=None, help="reward-vs-step plot PNG")
+    parser.add_argument("--table", action="store_true", help="with --compare: markdown table")
     args = parser.parse_args()
 
     if args.compare:
-        for directory in args.compare:
-            summary, results = load_summary(directory)
+        loaded = [load_summary(directory) for directory in args.compare]
+        if args.table:
+            print(table([(summary["label"], results) for summary, results in loaded], THRESHOLDS))
+        for summary, results in [] if args.table else loaded:
             print("\n".join(report(results, THRESHOLDS, f"[{summary['label']}] ")))
         if args.plot:
             plot(args.compare, args.plot, args.window)
