@@ -243,8 +243,7 @@ class AlgoConfig:
     """AdamW's beta1, the decay of the gradient's running mean (policy and critic)."""
     adam_beta2: float = 0.999
     """AdamW's beta2, the decay of the squared gradient's running mean (policy and critic).
-    0.999 is torch's and Hugging Face's default; the demo uses 0.99, whose step size follows
-    the shrinking gradients of the late phase (docs/time_to_reward.md)."""
+    0.999 is torch's and Hugging Face's default (TRL users often set 0.99)."""
     adam_epsilon: float = 1e-8
     """AdamW's epsilon, added to the root of the squared-gradient mean (policy and critic)."""
     loss_aggregation: Literal["token_mean", "sequence_mean", "constant"] = "token_mean"
@@ -264,8 +263,10 @@ class AlgoConfig:
     kl_estimator: Literal["k1", "k3"] = "k3"
     """Per-token KL estimator: `k1` = log-ratio, `k3` = exp(-log-ratio) + log-ratio - 1."""
     entropy_coef: float = 0.0
-    """Weight of the entropy bonus: the loss subtracts `entropy_coef` times the token-mean
-    entropy of the policy."""
+    """Weight of the entropy bonus: the loss subtracts `entropy_coef` times the policy's
+    entropy, aggregated over tokens as `algo.loss_aggregation` says (the token mean by
+    default). It keeps a group's samples apart, so fewer groups have one reward for all and no
+    signal (docs/time_to_reward.md)."""
     options: Any = field(default=None, metadata={"options": True})
     # not a key: the chosen algorithm's `Options` instance (its own keys)
 
