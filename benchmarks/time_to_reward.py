@@ -113,13 +113,12 @@ def fmt(reached: tuple[float, float] | None) -> str:
 
 def train_one(
     config: Path, run_dir: Path, seed: int, overrides: list[str], budget_s: float
-) -> float:
+) -> None:
     """One `asyncrl train` run of `config` with `run.seed=seed`, stopped (SIGTERM: a
     checkpoint and exit 75; SIGKILL a minute later) if it is still running after `budget_s`
-    wall seconds. Returns the seconds the process ran."""
+    wall seconds."""
     command = [sys.executable, "-m", "asyncrl.cli", "train", str(config)]
     command += ["--run-dir", str(run_dir), "--restart", f"run.seed={seed}", *QUIET, *overrides]
-    start = time.perf_counter()
     log = (run_dir.parent / f"{run_dir.name}.log").open("w")
     proc = subprocess.Popen(
         command, env={**os.environ, "PYTHONWARNINGS": "ignore"}, stdout=log, stderr=log
@@ -138,7 +137,6 @@ def train_one(
     if proc.returncode not in (0, EXIT_PREEMPTED, -9) or not (run_dir / "metrics.jsonl").exists():
         tail = (run_dir.parent / f"{run_dir.name}.log").read_text()[-2000:]
         raise SystemExit(f"time_to_reward: seed {seed} failed (exit {proc.returncode}):\n{tail}")
-    return time.perf_counter() - start
 
 
 def report(results: list[SeedResult], thresholds: tuple[float, ...], label: str) -> list[str]:

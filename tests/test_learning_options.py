@@ -62,7 +62,7 @@ def test_reward_scaling_group_batch_and_none_by_hand():
     )
 
 
-def test_grpo_uses_its_reward_scaling(monkeypatch):
+def test_grpo_uses_its_reward_scaling():
     algo = build_components(small_config("algo.scale_rewards=none")).algo
     rewards = torch.tensor([[1.0, 0.0, 0.0, 0.0]])
     assert torch.allclose(algo.advantages(rewards), torch.tensor([[0.75, -0.25, -0.25, -0.25]]))
