@@ -3,7 +3,9 @@
 - I1: the record that counts for step t (its last) trained exactly ordinals [t*N, (t+1)*N).
 - I3: every ordinal below the final frontier was trained by exactly one step; after a resume,
   the only ordinals below the checkpoint's cursor that are generated again are the ones it
-  re-dispatched (in flight at the checkpoint), so no buffered group is regenerated.
+  re-dispatched (in flight at the checkpoint), so no buffered group is regenerated; and a
+  re-dispatched ordinal whose partial samples the resume continued generates no token a
+  sample already had, and nothing for a sample that had finished.
 """
 
 from __future__ import annotations
@@ -97,8 +99,41 @@ def audit_records(
                 f"I3: attempt {attempt} generated {what} from step {resume['from_step']}'s "
                 f"checkpoint again: {_ranges(again)}"
             )
+        report.violations.extend(_partials_regenerated(resume, timeline))
     report.violations.extend(schedule_violations)  # last: the per-step detail of the above
     return report
+
+
+def _partials_regenerated(resume: dict[str, Any], timeline: list[dict[str, Any]]) -> list[str]:
+    """Tokens of the partial samples a resume continued that its attempt generated again."""
+    partials = resume.get("continued_partials", {})
+    found = []
+    for span in timeline:
+        if span.get("kind") != "generate" or span["attempt"] != resume["attempt"]:
+            continue
+        for k, starts, counts in zip(
+            span["ordinals"],
+            span.get("token_starts", []),
+            span.get("token_counts", []),
+            strict=False,
+        ):
+            saved = partials.get(str(k))
+            if saved is None:
+                continue
+            for i, (start, count) in enumerate(zip(starts, counts, strict=True)):
+                if count and saved["finished"][i]:
+                    found.append(
+                        f"I3: attempt {resume['attempt']} generated {count} tokens for sample {i} "
+                        f"of ordinal {k}, finished in step {resume['from_step']}'s checkpoint"
+                    )
+                elif count and start < saved["lengths"][i]:
+                    found.append(
+                        f"I3: attempt {resume['attempt']} generated tokens {start}-"
+                        f"{min(start + count, saved['lengths'][i]) - 1} of sample {i} of ordinal "
+                        f"{k} again (step {resume['from_step']}'s checkpoint had "
+                        f"{saved['lengths'][i]})"
+                    )
+    return found
 
 
 def audit_run_dir(run_dir: Path) -> AuditReport:

@@ -142,6 +142,18 @@ class RolloutConfig:
     groups_per_batch: int = field(default=0, metadata=MAY_CHANGE_UNLESS_DETERMINISTIC)
     """Prompt groups the engine generates together in one batch; 0 means N (one step's worth).
     Smaller batches make groups land in the buffer a few at a time."""
+    chunk_tokens: int = field(default=0, metadata=MAY_CHANGE_UNLESS_DETERMINISTIC)
+    """Partial generations: the engine generates at most this many new tokens per sample per
+    pass, and a checkpoint saves every in-flight group's samples so far, so a `lossless`
+    resume continues them from their last saved token instead of generating them again.
+    0: each batch in one pass (nothing partial to save). For long completions, 16-64."""
+    update_weights_mid_generation: bool = field(
+        default=False, metadata=MAY_CHANGE_UNLESS_DETERMINISTIC
+    )
+    """With `chunk_tokens`: each chunk uses the newest published weights, so a long batch does
+    not keep generating on old ones; a group's tokens may then come from several versions
+    (each token's own behaviour log-prob and version travel with it; the oldest token stays
+    within A). Off: a sample keeps the version its batch started with."""
     engine: Literal["torch"] = "torch"
     """Which engine generates: `torch` is asyncrl's own batched sampler with a KV cache over the
     Hugging Face model (pinned weights versions and per-request noise: deterministic mode works
@@ -183,6 +195,13 @@ class RolloutConfig:
             self.groups_per_batch >= 0, "rollout.groups_per_batch", self.groups_per_batch, ">= 0"
         )
         _require(self.num_workers >= 1, "rollout.num_workers", self.num_workers, ">= 1")
+        _require(self.chunk_tokens >= 0, "rollout.chunk_tokens", self.chunk_tokens, ">= 0")
+        _require(
+            not self.update_weights_mid_generation or self.chunk_tokens > 0,
+            "rollout.update_weights_mid_generation",
+            self.update_weights_mid_generation,
+            "false unless rollout.chunk_tokens > 0 (weights change only between chunks)",
+        )
         _check_device("rollout.device", self.device)
         _require(
             self.max_trajectory_age_steps >= 0,
@@ -396,12 +415,24 @@ class Config:
                 self.checkpoint.resume_policy,
                 "lossless when run.deterministic=true",
             )
+            _require(
+                not self.rollout.update_weights_mid_generation,
+                "rollout.update_weights_mid_generation",
+                True,
+                "false when run.deterministic=true: which version is newest at a chunk boundary "
+                "depends on timing (a schedule fixing the version per target and chunk would be "
+                "deterministic, but would make generation wait for it)",
+            )
 
     @property
     def kept_weight_versions(self) -> int:
         """Weights versions generation keeps: deterministic mode generates target t with
-        version max(0, t-A), so it keeps A+1; otherwise only the newest is ever used."""
-        return self.rollout.max_trajectory_age_steps + 1 if self.run.deterministic else 1
+        version max(0, t-A), and chunked generation (without mid-generation updates) finishes
+        a sample on the version it started with, so both keep A+1; otherwise only the newest
+        is ever used."""
+        rollout = self.rollout
+        pinned = rollout.chunk_tokens > 0 and not rollout.update_weights_mid_generation
+        return rollout.max_trajectory_age_steps + 1 if self.run.deterministic or pinned else 1
 
     def to_dict(self) -> dict[str, dict[str, Any]]:
         """`{section: {key: value}}`, the algorithm's own keys among `algo`'s."""

@@ -20,6 +20,8 @@ POINTS = (
     "train.optimizer_step",  # optimizer updated, weights not yet published
     "train.weights_published",  # new version handed to the engine
     "collector.group_buffered",  # one group moved from in flight to the buffer
+    "collector.chunk_done",  # one chunk of a batch appended to its partial generations
+    "engine.decode_step",  # the torch engine is about to sample one more token of a batch
 )
 WORKER_POINTS = (
     "worker.generate",  # a Ray generation worker actor received a batch (kills the actor)

@@ -7,8 +7,11 @@ import json
 from pathlib import Path
 from typing import Any
 
-from asyncrl.checkpoint.snapshot import FILES, read_parts
+import torch
+
+from asyncrl.checkpoint.snapshot import FILES, decode_parts, read_parts
 from asyncrl.checkpoint.store import CheckpointStore
+from asyncrl.core.buffer import tokens_per_group
 from asyncrl.core.resume import POLICIES, SavedLedger, plan_resume
 from asyncrl.train.rundir import check_coherent
 
@@ -33,7 +36,24 @@ def inspect_run_dir(run_dir: Path) -> dict[str, Any]:
         (g["ticket"]["ordinal"], g["ticket"]["target_step"]) for g in parts["buffer"]["groups"]
     ]
     in_flight = [(int(k), int(t)) for k, t in parts["ledger"]["in_flight"]]
-    saved = SavedLedger(step, n, int(parts["stream"]["cursor"]), in_flight, buffered)
+    decoded = decode_parts(latest, ("ledger", "buffer"))
+    samples: dict[int, dict[str, list[Any]]] = {  # in-flight ordinal -> tokens so far, finished
+        int(k): {
+            "lengths": [int(n) for n in torch.as_tensor(p["mask"]).sum(dim=1)],
+            "finished": [bool(f) for f in torch.as_tensor(p["finished"])],
+        }
+        for k, p in decoded["ledger"].get("partial", {}).items()
+    }
+    partial = {k: sum(v["lengths"]) for k, v in samples.items()}
+    saved = SavedLedger(
+        step,
+        n,
+        int(parts["stream"]["cursor"]),
+        in_flight,
+        buffered,
+        partial_tokens=partial,
+        buffered_tokens=tokens_per_group(decoded["buffer"]),
+    )
     targets = sorted({t for _, t in buffered + in_flight})
     per_target = {
         str(t): {
@@ -50,6 +70,8 @@ def inspect_run_dir(run_dir: Path) -> dict[str, Any]:
             "prompts_skipped": len(plan.skipped),
             "finished_groups_discarded": len(plan.discarded),
             "groups_regenerated": plan.num_regenerated,
+            "kept_tokens": plan.kept_tokens,
+            "regenerated_tokens": plan.regenerated_tokens,
             "messages": plan.messages,
         }
     return {
@@ -68,6 +90,8 @@ def inspect_run_dir(run_dir: Path) -> dict[str, Any]:
         },
         "targets": per_target,
         "in_flight_ordinals": sorted(k for k, _ in in_flight),
+        "partial_tokens": {str(k): v for k, v in sorted(partial.items())},
+        "partial_samples": {str(k): v for k, v in sorted(samples.items())},
         "buffered_ordinals": sorted(k for k, _ in buffered),
         "resume_cost": costs,
         "rejected": rejected,
@@ -103,8 +127,15 @@ def render(info: dict[str, Any]) -> None:
         )
     console.print(targets)
     console.print(f"in-flight ordinals: {info['in_flight_ordinals']}")
+    if info["partial_tokens"]:
+        listed = ", ".join(f"{k}: {v}" for k, v in info["partial_tokens"].items())
+        console.print(f"partial generations (tokens so far): {listed}")
     costs = Table(title="what resuming this checkpoint costs")
-    for column in ("policy", "prompts skipped", "finished groups discarded", "groups regenerated"):
+    columns = (
+        "policy", "prompts skipped", "finished groups discarded", "groups regenerated",
+        "tokens kept", "tokens regenerated",
+    )  # fmt: skip
+    for column in columns:
         costs.add_column(column, justify="right")
     for policy, cost in info["resume_cost"].items():
         costs.add_row(
@@ -112,5 +143,7 @@ def render(info: dict[str, Any]) -> None:
             str(cost["prompts_skipped"]),
             str(cost["finished_groups_discarded"]),
             str(cost["groups_regenerated"]),
+            str(cost["kept_tokens"]),
+            str(cost["regenerated_tokens"]),
         )
     console.print(costs)

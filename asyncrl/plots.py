@@ -146,7 +146,11 @@ def ledger_series(
             1 for s in mine if s["kind"] == "train" and s["start"] + s["seconds"] <= now
         )
         gens = [s for s in mine if s["kind"] == "generate"]
-        finished = kept + sum(len(s["ordinals"]) for s in gens if s["start"] + s["seconds"] <= now)
+        finished = kept + sum(  # a chunked batch's groups land with the chunk that ends them
+            len(s["landed"] if "landed" in s else s["ordinals"])
+            for s in gens
+            if s["start"] + s["seconds"] <= now
+        )
         in_flight = sum(
             len(s["ordinals"]) for s in gens if s["start"] <= now < s["start"] + s["seconds"]
         )

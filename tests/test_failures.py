@@ -26,11 +26,11 @@ def flaky_generate(monkeypatch, fail_calls: set[int], error: BaseException) -> N
     real = TorchGenerationEngine.generate
     calls = {"n": 0}
 
-    def generate(self, requests, version=None):
+    def generate(self, requests, version=None, max_tokens=None):
         calls["n"] += 1
         if calls["n"] in fail_calls:
             raise error
-        return real(self, requests, version)
+        return real(self, requests, version, max_tokens)
 
     monkeypatch.setattr(TorchGenerationEngine, "generate", generate)
 

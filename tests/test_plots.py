@@ -40,11 +40,11 @@ def resumed_run(tmp_path_factory):
     entered, release = threading.Event(), threading.Event()
     real_generate, real_write = TorchGenerationEngine.generate, JsonlLog.write
 
-    def gated_generate(self, requests, version=None):
+    def gated_generate(self, requests, version=None, max_tokens=None):
         if requests[0].noise_seed in target_4_seeds:
             entered.set()
             assert release.wait(120), "the checkpoint of step 3 was never written"
-        return real_generate(self, requests, version)
+        return real_generate(self, requests, version, max_tokens)
 
     def ordered_write(self, record):
         if self.path.name == "metrics.jsonl" and record.get("step") == 2:

@@ -223,6 +223,20 @@ def decode(verified: Verified) -> Snapshot:
         ) from None
 
 
+def decode_parts(verified: Verified, names: tuple[str, ...]) -> dict[str, Any]:
+    """Parts `names` of a verified checkpoint with their tensors, read from the state file
+    only (never the model's): what `inspect` needs to count tokens."""
+    if format_version(verified) == 1:
+        snapshot = decode(verified)
+        return {name: snapshot.parts[name] for name in names}
+    state = read_state(verified)
+    try:
+        tensors = verified.read_with(STATE_FILE, read_tensors)
+        return {name: unflatten(state["parts"][name], tensors) for name in names}
+    except (KeyError, TypeError, ValueError, OSError) as err:
+        raise CheckpointError(f"{verified.path}: state unreadable ({err!r})") from None
+
+
 def _tensor_refs(tree: Any, found: set[str]) -> set[str]:
     if isinstance(tree, dict):
         if "__tensor__" in tree:

@@ -133,7 +133,16 @@ class ReplayBuffer:
             self._cond.notify_all()
 
 
+def tokens_per_group(state: dict[str, Any]) -> dict[int, int]:
+    """Buffered ordinal -> its group's generated tokens, read off a buffer's saved state."""
+    return {
+        int(item["ticket"]["ordinal"]): int(torch.as_tensor(item["completion_mask"]).sum())
+        for item in state["groups"]
+    }
+
+
 def _group_state(group: Group) -> dict[str, Any]:
+    versions = group.token_versions
     return {
         "ticket": vars(group.ticket).copy(),
         "prompt_ids": list(group.prompt_ids),
@@ -144,6 +153,7 @@ def _group_state(group: Group) -> dict[str, Any]:
         "version_min": group.version_min,
         "version_max": group.version_max,
         "generation_s": group.generation_s,
+        **({} if versions is None else {"token_versions": versions.clone()}),
     }
 
 
@@ -152,4 +162,6 @@ def _group_from_state(item: dict[str, Any]) -> Group:
     fields["ticket"] = PromptTicket(**item["ticket"])
     for key in ("completion_ids", "completion_mask", "behaviour_logprobs", "rewards"):
         fields[key] = torch.as_tensor(item[key])
+    if "token_versions" in item:
+        fields["token_versions"] = torch.as_tensor(item["token_versions"])
     return Group(**fields)

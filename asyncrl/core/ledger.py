@@ -1,11 +1,13 @@
 """The ledger: where every ordinal is.
 
     pending ──admit──▶ in_flight ──complete──▶ buffered ──sample──▶ trained
+                          (partial)
 
 `pending` is everything at or past the stream's cursor, plus ordinals queued for re-dispatch
 after a resume; `buffered` lives in the replay buffer; `trained` is every ordinal of a committed
 step. The ledger owns the first two. `admit` checks the window *before* pulling from the
-stream, so a pulled ticket is never stranded.
+stream, so a pulled ticket is never stranded. An in-flight ordinal generated in chunks has
+its samples so far in `partials` (saved in a checkpoint; a `lossless` resume continues them).
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from __future__ import annotations
 from collections import deque
 from typing import Any
 
+from asyncrl.core.partial import Partial
 from asyncrl.core.resume import ResumePlan, SavedLedger
 from asyncrl.core.stream import PromptStream
 from asyncrl.core.types import PromptTicket
@@ -24,6 +27,8 @@ class Ledger:
         self.stream = stream
         self.in_flight: dict[int, PromptTicket] = {}
         self.redispatch: deque[PromptTicket] = deque()
+        self.partials: dict[int, Partial] = {}
+        """In-flight (or queued) ordinal -> its samples so far, when generated in chunks."""
 
     def next_target(self) -> int:
         """The target of the next ticket `admit` would hand out: re-dispatches come first."""
@@ -46,9 +51,17 @@ class Ledger:
             tickets.append(ticket)
         return tickets
 
+    def progress(self, ordinal: int, partial: Partial) -> None:
+        """A chunk of the in-flight ordinal's samples was generated: `partial` is all of them
+        so far."""
+        if ordinal not in self.in_flight:
+            raise KeyError(f"ordinal {ordinal} is not in flight")
+        self.partials[ordinal] = partial
+
     def complete(self, ordinal: int) -> None:
         """The ordinal's group is in the buffer now."""
         del self.in_flight[ordinal]
+        self.partials.pop(ordinal, None)
 
     def fail(self, tickets: list[PromptTicket]) -> None:
         """Generation of these tickets was lost: dispatch them again, first, in order."""
@@ -60,15 +73,23 @@ class Ledger:
         """Every ticket handed out but not buffered: in flight or queued for re-dispatch."""
         return sorted([*self.in_flight.values(), *self.redispatch], key=lambda t: t.ordinal)
 
-    def saved(self, step: int, buffered: list[tuple[int, int]]) -> SavedLedger:
+    def saved(
+        self,
+        step: int,
+        buffered: list[tuple[int, int]],
+        buffered_tokens: dict[int, int] | None = None,
+    ) -> SavedLedger:
         """What a checkpoint of `step` says about ordinals, read off this restored ledger and
-        the restored buffer's (ordinal, target) pairs: the input of a resume plan."""
+        the restored buffer's (ordinal, target) pairs and tokens per group: the input of a
+        resume plan."""
         return SavedLedger(
             step=step,
             num_prompts_per_step=self.stream.num_prompts_per_step,
             cursor=self.stream.cursor,
             in_flight=[(t.ordinal, t.target_step) for t in self.unfinished()],
             buffered=buffered,
+            partial_tokens={k: p.num_tokens for k, p in sorted(self.partials.items())},
+            buffered_tokens=dict(buffered_tokens or {}),
         )
 
     def apply(self, plan: ResumePlan) -> None:
@@ -79,16 +100,27 @@ class Ledger:
         if plan.policy == "lossless":
             return
         self.redispatch.clear()
+        self.partials.clear()
         self.stream.schedule.refill(self.stream.cursor, plan.fills, plan.next_target)
 
     def state_dict(self) -> dict[str, Any]:
         """In a checkpoint, in-flight and queued tickets are both saved as in flight: a resume
-        dispatches them again (lossless) or skips them (lossy policies). The stream is a part
-        of its own."""
-        return {"in_flight": [[t.ordinal, t.target_step] for t in self.unfinished()]}
+        dispatches them again (lossless) or skips them (lossy policies), with their partial
+        samples (tensors). The stream is a part of its own."""
+        return {
+            "in_flight": [[t.ordinal, t.target_step] for t in self.unfinished()],
+            "partial": {k: p.state_dict() for k, p in sorted(self.partials.items())},
+        }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.in_flight = {}
         self.redispatch = deque(
             self.stream.ticket(int(k), target_step=int(t)) for k, t in state["in_flight"]
         )
+        queued = {t.ordinal for t in self.redispatch}
+        # a checkpoint older than partial generations has none
+        self.partials = {
+            int(k): Partial.from_state(p)
+            for k, p in state.get("partial", {}).items()
+            if int(k) in queued
+        }

@@ -27,6 +27,10 @@ class SavedLedger:
     cursor: int
     in_flight: list[tuple[int, int]]
     buffered: list[tuple[int, int]]
+    partial_tokens: dict[int, int] = field(default_factory=dict)
+    """In-flight ordinal -> tokens of its partial samples (generated in chunks)."""
+    buffered_tokens: dict[int, int] = field(default_factory=dict)
+    """Buffered ordinal -> tokens of its finished group."""
 
     def buffered_per_target(self) -> dict[int, int]:
         counts: dict[int, int] = {}
@@ -51,6 +55,13 @@ class ResumePlan:
     next_target: int = 0
     """After the fills, full steps start at this target."""
     messages: list[str] = field(default_factory=list)
+    kept_tokens: int = 0
+    """Generated tokens of the checkpoint the resume keeps: its kept groups' and the partial
+    samples it continues."""
+    regenerated_tokens: int = 0
+    """Generated tokens of the checkpoint the resume throws away, to be paid for again:
+    discarded groups' and the partial samples of skipped (or re-dispatched but not continued)
+    ordinals."""
 
     @property
     def num_regenerated(self) -> int:
@@ -61,6 +72,19 @@ class ResumePlan:
 
 
 def plan_resume(saved: SavedLedger, policy: ResumePolicy) -> ResumePlan:
+    plan = _plan(saved, policy)
+    tokens = saved.buffered_tokens
+    plan.kept_tokens = sum(tokens.get(k, 0) for k in plan.kept)
+    plan.regenerated_tokens = sum(tokens.get(k, 0) for k in plan.discarded)
+    partial = sum(saved.partial_tokens.values())
+    if policy == "lossless":
+        plan.kept_tokens += partial
+    else:
+        plan.regenerated_tokens += partial
+    return plan
+
+
+def _plan(saved: SavedLedger, policy: ResumePolicy) -> ResumePlan:
     n = saved.num_prompts_per_step
     if policy == "lossless":
         return ResumePlan(

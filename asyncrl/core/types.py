@@ -34,9 +34,12 @@ class Group:
     completion_mask: torch.Tensor  # [G, T] bool
     behaviour_logprobs: torch.Tensor  # [G, T] float32, log-probs at the sampling temperature
     rewards: torch.Tensor  # [G] float32
-    version_min: int
+    version_min: int  # the oldest weights version among its tokens
     version_max: int
     generation_s: float = 0.0
+    token_versions: torch.Tensor | None = None
+    """[G, T] int64: the weights version that sampled each token (-1 where masked). None in
+    groups restored from checkpoints that predate it: every token was `version_max`'s."""
 
     @property
     def ordinal(self) -> int:

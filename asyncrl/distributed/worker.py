@@ -63,7 +63,11 @@ class GenerationWorker:
         self.engine = build_engine(engine_name, spec, self.weights)
 
     def generate(
-        self, requests: list[GenerationRequest], version: int, weights: list[Any]
+        self,
+        requests: list[GenerationRequest],
+        version: int,
+        weights: list[Any],
+        max_tokens: int | None = None,
     ) -> tuple[list[GenerationOutput], float]:
         """Generates with weights `version`, fetching them from the object store first if this
         worker does not have them (`weights` is `[ObjectRef]`, unresolved until needed).
@@ -73,7 +77,7 @@ class GenerationWorker:
         if not self.weights.has(version):
             self.weights.publish(version, from_numpy(ray.get(weights[0])))
         load_s = time.perf_counter() - start
-        return self.engine.generate(requests, version), load_s
+        return self.engine.generate(requests, version, max_tokens), load_s
 
     def ready(self) -> bool:
         return True
@@ -117,7 +121,10 @@ class RayEngine:
         return {"weights_load_s": self.load_s, "workers_replaced": self.workers_replaced}
 
     def generate(
-        self, requests: list[GenerationRequest], version: int | None = None
+        self,
+        requests: list[GenerationRequest],
+        version: int | None = None,
+        max_tokens: int | None = None,
     ) -> list[GenerationOutput]:
         with self._lock:
             if self._closed:
@@ -129,7 +136,12 @@ class RayEngine:
             raise RuntimeError(err.args[0]) from None
         chunks = [c.tolist() for c in np.array_split(np.arange(len(requests)), len(self.workers))]
         calls = [
-            (i, self.workers[i].generate.remote([requests[j] for j in chunk], wanted, [ref]))
+            (
+                i,
+                self.workers[i].generate.remote(
+                    [requests[j] for j in chunk], wanted, [ref], max_tokens
+                ),
+            )
             for i, chunk in enumerate(chunks)
             if chunk
         ]

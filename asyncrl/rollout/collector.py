@@ -17,11 +17,13 @@ import hashlib
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field, replace
 
 import torch
 
 from asyncrl.core.buffer import Buffer
 from asyncrl.core.ledger import Ledger
+from asyncrl.core.partial import Partial
 from asyncrl.core.types import Group, PromptTicket
 from asyncrl.faults import fault_point
 from asyncrl.rollout.engine import GenerationEngine, GenerationOutput, GenerationRequest
@@ -45,7 +47,15 @@ def make_group(
     output: GenerationOutput,
     rewards: torch.Tensor,
     generation_s: float,
+    token_versions: torch.Tensor | None = None,
 ) -> Group:
+    """The buffered group; `token_versions` ([G, T], -1 where masked) when its tokens were
+    sampled by more than one weights version, else every token is `output.weights_version`."""
+    if token_versions is None:
+        token_versions = torch.where(output.completion_mask, output.weights_version, -1)
+    used = token_versions[output.completion_mask]
+    versions = used if used.numel() else torch.tensor([output.weights_version])
+    mixed = int(versions.min()) != int(versions.max())
     return Group(
         ticket=ticket,
         prompt_ids=prompt_ids,
@@ -53,10 +63,26 @@ def make_group(
         completion_mask=output.completion_mask,
         behaviour_logprobs=output.logprobs,
         rewards=rewards,
-        version_min=output.weights_version,
-        version_max=output.weights_version,
+        version_min=int(versions.min()),
+        version_max=int(versions.max()),
         generation_s=generation_s,
+        token_versions=token_versions if mixed else None,
     )
+
+
+@dataclass(frozen=True)
+class Chunk:
+    """One engine pass of a batch, for the timeline: which tickets, with which weights, and
+    per ticket and sample the index of its first new token and how many it got."""
+
+    start: float  # time.perf_counter()
+    seconds: float  # generation and scoring
+    version: int
+    tickets: list[PromptTicket]
+    token_starts: list[list[int]]
+    token_counts: list[list[int]]
+    landed: list[int] = field(default_factory=list)
+    """Ordinals whose groups finished with this chunk and went to the buffer."""
 
 
 class Collector:
@@ -80,9 +106,12 @@ class Collector:
         seed: int,
         groups_per_batch: int,
         end_target: int,
-        on_batch: Callable[[float, float, int, list[PromptTicket]], None] | None = None,
+        on_batch: Callable[[Chunk], None] | None = None,
         pin_versions: bool = False,
         max_failures: int = 3,
+        pad_id: int = 0,
+        chunk_tokens: int = 0,
+        mid_generation_updates: bool = False,
     ) -> None:
         self.ledger = ledger
         self.buffer = buffer
@@ -97,6 +126,10 @@ class Collector:
         self.on_batch = on_batch
         self.pin_versions = pin_versions
         self.max_failures = max_failures
+        self.pad_id = pad_id
+        self.chunk_tokens = chunk_tokens  # 0: each batch in one engine pass
+        self.mid_generation_updates = mid_generation_updates
+        self._rewards: dict[int, torch.Tensor] = {}  # scored, not yet buffered
         self.num_failures = 0  # every failed batch, for the metrics
         self._consecutive_failures = 0
         self._version = 0  # the newest published version; the trainer publishes on resume
@@ -198,29 +231,107 @@ class Collector:
         self._thread.start()
 
     def _generate(self, tickets: list[PromptTicket]) -> None:
-        requests = [
-            GenerationRequest(
-                prompt_ids=self.prompts[t.dataset_index],
-                num_samples=self.num_generations,
-                noise_seed=noise_seed(self.seed, t.ordinal),
-            )
-            for t in tickets
-        ]
-        version = None
+        """Generates the batch's groups, a chunk of at most `chunk_tokens` tokens per sample
+        at a time (0: in one pass). After each chunk, under the lock, every unfinished group's
+        partial goes to the ledger (a checkpoint saves it) and every finished group to the
+        buffer. A stop request ends the batch between chunks, its partials kept."""
+        self._rewards.clear()  # a failed batch's scores are stale
+        with self._cond:
+            saved = {t.ordinal: self.ledger.partials.get(t.ordinal) for t in tickets}
+        empty = Partial.empty(self.num_generations)
+        partials = {k: p if p is not None else empty for k, p in saved.items()}
+        wanted = {t.ordinal: self._wanted_version(t, partials[t.ordinal]) for t in tickets}
+        seconds = dict.fromkeys(partials, 0.0)
+        while open_tickets := [t for t in tickets if not partials[t.ordinal].done]:
+            by_version: dict[int | None, list[PromptTicket]] = {}
+            for t in open_tickets:
+                by_version.setdefault(wanted[t.ordinal], []).append(t)
+            for version, group in by_version.items():
+                chunk = self._chunk(group, partials, version)
+                for t in group:
+                    seconds[t.ordinal] += chunk.seconds / len(group)
+                    if wanted[t.ordinal] is None and not self.mid_generation_updates:
+                        wanted[t.ordinal] = chunk.version  # the rest of the batch keeps it
+                landed = [t for t in group if partials[t.ordinal].done]
+                groups = [self._group(t, partials[t.ordinal], seconds[t.ordinal]) for t in landed]
+                if self.on_batch is not None:  # recorded before the groups can be checkpointed
+                    self.on_batch(replace(chunk, landed=[t.ordinal for t in landed]))
+                with self._cond:  # one chunk's results land together
+                    for t in group:
+                        if partials[t.ordinal].done:
+                            continue
+                        self.ledger.progress(t.ordinal, partials[t.ordinal])
+                    for g in groups:
+                        self.buffer.add(g)
+                        self.ledger.complete(g.ordinal)
+                if groups:
+                    fault_point("collector.group_buffered")
+                fault_point("collector.chunk_done")
+            if self._stop:
+                return  # between chunks: the partials are in the ledger
+
+    def _wanted_version(self, ticket: PromptTicket, partial: Partial) -> int | None:
+        """The weights version a ticket's next chunk asks for (None: the newest published)."""
         if self.pin_versions:  # deterministic mode: target t always uses version max(0, t - A)
-            version = max(0, tickets[0].target_step - self.window)
+            return max(0, ticket.target_step - self.window)
+        if self.mid_generation_updates or not partial.num_tokens:
+            return None
+        return int(partial.versions[partial.mask].max())  # a continued sample keeps its weights
+
+    def _chunk(
+        self, tickets: list[PromptTicket], partials: dict[int, Partial], version: int | None
+    ) -> Chunk:
+        """One engine pass over `tickets`; their partials are extended in `partials`."""
+        requests = []
+        for t in tickets:
+            p = partials[t.ordinal]
+            started = bool(p.tokens.shape[1])
+            requests.append(
+                GenerationRequest(
+                    prompt_ids=self.prompts[t.dataset_index],
+                    num_samples=self.num_generations,
+                    noise_seed=noise_seed(self.seed, t.ordinal),
+                    prefixes=p.prefixes() if started else (),
+                    finished=tuple(bool(f) for f in p.finished) if started else (),
+                )
+            )
         start = time.perf_counter()
-        outputs = self.engine.generate(requests, version)
-        rewards = [self.scorer(t, out) for t, out in zip(tickets, outputs, strict=True)]
-        elapsed = time.perf_counter() - start  # generation and scoring: the collector's work
-        if self.on_batch is not None:  # recorded before the groups can reach a checkpoint
-            self.on_batch(start, elapsed, outputs[0].weights_version, tickets)
-        groups = [
-            make_group(t, self.prompts[t.dataset_index], out, reward, elapsed / len(tickets))
-            for t, out, reward in zip(tickets, outputs, rewards, strict=True)
-        ]
-        with self._cond:  # a batch lands whole: a checkpoint never splits one
-            for group in groups:
-                self.buffer.add(group)
-                self.ledger.complete(group.ordinal)
-        fault_point("collector.group_buffered")
+        outputs = self.engine.generate(requests, version, self.chunk_tokens or None)
+        starts, counts = [], []
+        for t, out in zip(tickets, outputs, strict=True):
+            before = partials[t.ordinal]
+            partials[t.ordinal] = before.extend(
+                out.completion_ids,
+                out.completion_mask,
+                out.logprobs,
+                out.weights_version,
+                out.finished_rows(),
+            )
+            starts.append(before.lengths)
+            counts.append([int(n) for n in out.completion_mask.sum(dim=1)])
+        for t in tickets:  # scoring is the collector's work: counted in the chunk's seconds
+            if partials[t.ordinal].done:
+                self._rewards[t.ordinal] = self.scorer(t, self._output(partials[t.ordinal]))
+        return Chunk(
+            start=start,
+            seconds=time.perf_counter() - start,
+            version=outputs[0].weights_version,
+            tickets=tickets,
+            token_starts=starts,
+            token_counts=counts,
+        )
+
+    def _output(self, partial: Partial) -> GenerationOutput:
+        """A finished partial as one engine output (padding after each sample's end)."""
+        tokens = torch.where(partial.mask, partial.tokens, self.pad_id)
+        used = partial.versions[partial.mask]
+        version = int(used.max()) if used.numel() else 0
+        return GenerationOutput(tokens, partial.mask, partial.logprobs, version, partial.finished)
+
+    def _group(self, ticket: PromptTicket, partial: Partial, seconds: float) -> Group:
+        output = self._output(partial)
+        versions = torch.where(partial.mask, partial.versions, -1)
+        rewards = self._rewards.pop(ticket.ordinal)
+        return make_group(
+            ticket, self.prompts[ticket.dataset_index], output, rewards, seconds, versions
+        )

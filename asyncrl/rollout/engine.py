@@ -27,14 +27,29 @@ class GenerationRequest:
     prompt_ids: list[int]
     num_samples: int
     noise_seed: int
+    prefixes: tuple[tuple[int, ...], ...] = ()
+    """Continue from a partial generation: each sample's tokens so far (empty: start fresh).
+    Sample i's token j still draws noise `(noise_seed, i, j)`, wherever it was cut."""
+    finished: tuple[bool, ...] = ()
+    """Per sample, with `prefixes`: already finished, so nothing more is generated for it."""
 
 
 @dataclass
 class GenerationOutput:
+    """The tokens one `generate` call added, per sample (for a continued request: the new
+    tokens only, after each sample's prefix)."""
+
     completion_ids: torch.Tensor  # [G, T] int64, pad after EOS
     completion_mask: torch.Tensor  # [G, T] bool, EOS included
     logprobs: torch.Tensor  # [G, T] float32 behaviour log-probs (0 where masked)
     weights_version: int
+    finished: torch.Tensor | None = None
+    """[G] bool: the sample sampled EOS or reached max_new_tokens (None: all finished)."""
+
+    def finished_rows(self) -> torch.Tensor:
+        if self.finished is None:
+            return torch.ones(self.completion_ids.shape[0], dtype=torch.bool)
+        return self.finished
 
 
 @dataclass(frozen=True)
@@ -71,10 +86,14 @@ class GenerationEngine(Protocol):
     capabilities: ClassVar[EngineCapabilities]
 
     def generate(
-        self, requests: list[GenerationRequest], version: int | None = None
+        self,
+        requests: list[GenerationRequest],
+        version: int | None = None,
+        max_tokens: int | None = None,
     ) -> list[GenerationOutput]:
         """Samples every request in one batch with one weights version: `version` if given,
-        else the newest published."""
+        else the newest published; at most `max_tokens` new tokens per sample if given (a
+        chunk: unfinished samples are continued by a later call with their prefixes)."""
         ...
 
     def metrics(self) -> dict[str, float]:
@@ -104,6 +123,8 @@ def required_capabilities(config: Config) -> dict[str, str]:
     if config.run.deterministic:
         for capability in ("pinned_versions", "batch_invariant_noise", "per_request_seeds"):
             needs[capability] = "run.deterministic=true"
+    if config.rollout.chunk_tokens:
+        needs["continue_from_prefix"] = f"rollout.chunk_tokens={config.rollout.chunk_tokens}"
     return needs
 
 

@@ -13,10 +13,11 @@ in (up to the floating-point effects of batching on the logits).
 from __future__ import annotations
 
 import copy
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import torch
 
+from asyncrl.faults import fault_point
 from asyncrl.models.device import DTYPES
 from asyncrl.models.policy import keeps_logits, left_pad, position_ids
 from asyncrl.rollout.engine import (
@@ -42,7 +43,10 @@ class TorchGenerationEngine:
     what is published and the model is an error, never silently skipped."""
 
     capabilities: ClassVar[EngineCapabilities] = EngineCapabilities(
-        pinned_versions=True, batch_invariant_noise=True, per_request_seeds=True
+        pinned_versions=True,
+        batch_invariant_noise=True,
+        per_request_seeds=True,
+        continue_from_prefix=True,
     )
 
     def __init__(self, spec: EngineSpec, weights: WeightSource) -> None:
@@ -88,9 +92,13 @@ class TorchGenerationEngine:
 
     @torch.inference_mode()
     def generate(
-        self, requests: list[GenerationRequest], version: int | None = None
+        self,
+        requests: list[GenerationRequest],
+        version: int | None = None,
+        max_tokens: int | None = None,
     ) -> list[GenerationOutput]:
-        """Samples every request in one batch with weights `version` (default: the newest)."""
+        """Samples every request in one batch with weights `version` (default: the newest), at
+        most `max_tokens` new tokens per sample (default: to EOS or max_new_tokens)."""
         version = self._load(version)
         uniforms = torch.cat(
             [
@@ -101,31 +109,66 @@ class TorchGenerationEngine:
                 )
                 for r in requests
             ]
-        ).to(self.device)  # drawn on the CPU: the same noise on every device
-        sampled = self._sample(requests, uniforms)
-        tokens, logprobs, mask = (t.cpu() for t in sampled)
+        )  # drawn on the CPU: the same noise on every device
+        done_before = torch.tensor(
+            [f for r in requests for f in (r.finished or (False,) * r.num_samples)],
+            dtype=torch.bool,
+        )
+        rows = torch.nonzero(~done_before).squeeze(-1)
+        continued = any(r.prefixes for r in requests)
+        tokens = torch.full((len(done_before), 0), self.pad_id, dtype=torch.int64)
+        logprobs, mask = torch.zeros(tokens.shape), torch.zeros(tokens.shape, dtype=torch.bool)
+        finished = done_before.clone()
+        if len(rows):
+            sampled = self._sample(requests, rows, uniforms, continued, max_tokens)
+            new_tokens, new_logprobs, new_mask, new_finished = (t.cpu() for t in sampled)
+            width = new_tokens.shape[1]
+            tokens = torch.full((len(done_before), width), self.pad_id, dtype=torch.int64)
+            logprobs = torch.zeros(len(done_before), width)
+            mask = torch.zeros(len(done_before), width, dtype=torch.bool)
+            tokens[rows], logprobs[rows], mask[rows] = new_tokens, new_logprobs, new_mask
+            finished[rows] = new_finished
         outputs, start = [], 0
         for r in requests:
-            rows = slice(start, start + r.num_samples)
+            at = slice(start, start + r.num_samples)
             outputs.append(
-                GenerationOutput(tokens[rows], mask[rows], logprobs[rows], weights_version=version)
+                GenerationOutput(tokens[at], mask[at], logprobs[at], version, finished[at])
             )
             start += r.num_samples
         return outputs
 
-    def _sample(
-        self, requests: list[GenerationRequest], uniforms: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Each request's prompt is prefilled once; its KV cache and last logits are then
-        indexed out to the request's samples (row i of the batch is a sample of request
-        `rows[i]`), which decode together."""
+    def _prefill(
+        self, requests: list[GenerationRequest], rows: torch.Tensor, continued: bool
+    ) -> tuple[Any, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The model's output over each row's input, its attention mask and positions, and the
+        tokens each row has already generated. Fresh requests: each prompt is prefilled once
+        and its KV cache indexed out to the request's samples. Continued requests: each
+        unfinished sample's prompt and prefix, as one row."""
+        request_of = torch.repeat_interleave(
+            torch.arange(len(requests)), torch.tensor([r.num_samples for r in requests])
+        )
+        sample_of = torch.cat([torch.arange(r.num_samples) for r in requests])
+        keep = {"logits_to_keep": 1} if self._keeps_logits else {}
+        if continued:
+            inputs, offsets = [], []
+            for row in rows.tolist():
+                r = requests[int(request_of[row])]
+                prefix = list(r.prefixes[int(sample_of[row])]) if r.prefixes else []
+                inputs.append(list(r.prompt_ids) + prefix)
+                offsets.append(len(prefix))
+            input_ids, attention = (t.to(self.device) for t in left_pad(inputs, self.pad_id))
+            positions = position_ids(attention)
+            out = self._model(
+                input_ids=input_ids,
+                attention_mask=attention,
+                position_ids=positions,
+                use_cache=True,
+                **keep,
+            )
+            return out, attention, positions, torch.tensor(offsets, dtype=torch.int64)
         prompts = [r.prompt_ids for r in requests]
         input_ids, attention = (t.to(self.device) for t in left_pad(prompts, self.pad_id))
         positions = position_ids(attention)
-        rows = torch.repeat_interleave(
-            torch.arange(len(requests)), torch.tensor([r.num_samples for r in requests])
-        ).to(self.device)
-        keep = {"logits_to_keep": 1} if self._keeps_logits else {}
         out = self._model(
             input_ids=input_ids,
             attention_mask=attention,
@@ -133,23 +176,43 @@ class TorchGenerationEngine:
             use_cache=True,
             **keep,
         )
-        out.past_key_values.batch_select_indices(rows)
-        out.logits = out.logits[rows]
-        attention, positions = attention[rows], positions[rows]
+        index = request_of[rows].to(self.device)
+        out.past_key_values.batch_select_indices(index)
+        out.logits = out.logits[index]
+        return out, attention[index], positions[index], torch.zeros(len(rows), dtype=torch.int64)
+
+    def _sample(
+        self,
+        requests: list[GenerationRequest],
+        rows: torch.Tensor,
+        uniforms: torch.Tensor,
+        continued: bool,
+        max_tokens: int | None,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Decodes the batch's unfinished samples (`rows` of the flattened requests) together.
+        Row i draws its token j (counted from the sample's start) at `uniforms[i, j]`."""
+        out, attention, positions, offsets = self._prefill(requests, rows, continued)
+        uniforms = uniforms[rows].to(self.device)
+        offsets = offsets.to(self.device)
+        room = self.max_new_tokens - offsets  # tokens each row may still add (>= 1)
+        steps = min(max_tokens or self.max_new_tokens, int(room.max()))
         batch = len(rows)
+        at = torch.arange(batch, device=self.device)
         finished = torch.zeros(batch, dtype=torch.bool, device=self.device)
         tokens, logprobs, masks = [], [], []
-        for step in range(self.max_new_tokens):
+        for step in range(steps):
+            fault_point("engine.decode_step")
             step_logprobs = torch.log_softmax(out.logits[:, -1].float() / self.temperature, -1)
-            token = sample_inverse_cdf(step_logprobs.exp(), uniforms[:, step])
+            column = (offsets + step).clamp(max=self.max_new_tokens - 1)
+            token = sample_inverse_cdf(step_logprobs.exp(), uniforms[at, column])
             token = torch.where(finished, torch.full_like(token, self.pad_id), token)
             chosen = step_logprobs.gather(-1, token.unsqueeze(-1)).squeeze(-1)
             alive = ~finished
             tokens.append(token)
             logprobs.append(torch.where(alive, chosen, torch.zeros_like(chosen)))
             masks.append(alive)
-            finished = finished | (token == self.eos_id)
-            if bool(finished.all()) or step == self.max_new_tokens - 1:
+            finished = finished | (token == self.eos_id) | (step + 1 >= room)
+            if bool(finished.all()) or step == steps - 1:
                 break
             attention = torch.cat([attention, alive.long().unsqueeze(-1)], dim=1)
             positions = positions[:, -1:] + 1
@@ -160,4 +223,9 @@ class TorchGenerationEngine:
                 past_key_values=out.past_key_values,
                 use_cache=True,
             )
-        return torch.stack(tokens, 1), torch.stack(logprobs, 1), torch.stack(masks, 1)
+        return (
+            torch.stack(tokens, 1),
+            torch.stack(logprobs, 1),
+            torch.stack(masks, 1),
+            finished,
+        )

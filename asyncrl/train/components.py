@@ -12,10 +12,9 @@ from asyncrl.config import Config
 from asyncrl.core.buffer import Buffer, ReplayBuffer
 from asyncrl.core.ledger import Ledger
 from asyncrl.core.stream import PromptStream
-from asyncrl.core.types import PromptTicket
 from asyncrl.models.device import DTYPES, place, resolve_device
 from asyncrl.models.policy import Policy, load_policy
-from asyncrl.rollout.collector import Collector
+from asyncrl.rollout.collector import Chunk, Collector
 from asyncrl.rollout.engine import (
     EngineSpec,
     GenerationEngine,
@@ -28,7 +27,7 @@ from asyncrl.rollout.weight_sync import CopyWeightSync, WeightSync
 from asyncrl.tasks.prompts import encode_prompts
 from asyncrl.tasks.source import Task, load_task
 
-OnBatch = Callable[[float, float, int, list[PromptTicket]], None]
+OnBatch = Callable[[Chunk], None]
 
 
 @dataclass
@@ -106,6 +105,9 @@ def build_components(config: Config, on_batch: OnBatch | None = None) -> Compone
         on_batch=on_batch,
         pin_versions=config.run.deterministic,
         max_failures=rollout.max_generation_failures,
+        pad_id=policy.pad_id,
+        chunk_tokens=rollout.chunk_tokens,
+        mid_generation_updates=rollout.update_weights_mid_generation,
     )
     return Components(
         policy, task, stream, ledger, buffer, weights, engine, collector, algo, shutdown

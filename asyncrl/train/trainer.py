@@ -39,10 +39,10 @@ from asyncrl.checkpoint.staging import Cut, StagingArea
 from asyncrl.checkpoint.store import CheckpointError
 from asyncrl.checkpoint.writer import CheckpointWriter
 from asyncrl.config import Config, benign_differences, config_hash
+from asyncrl.core.buffer import tokens_per_group
 from asyncrl.core.resume import ResumePlan, plan_resume
-from asyncrl.core.types import PromptTicket
 from asyncrl.faults import fault_point
-from asyncrl.rollout.collector import GenerationFailed
+from asyncrl.rollout.collector import Chunk, GenerationFailed
 from asyncrl.train.components import build_components
 from asyncrl.train.records import (
     RunLogs,
@@ -100,6 +100,7 @@ class Trainer:
         self.step = 0
         self.attempt = run.attempt
         self.last_saved_step = -1
+        self.continued: dict[int, tuple[list[int], list[bool]]] = {}
         self._start_s = time.perf_counter()
         self.staging = StagingArea(
             {"auto": None, "keep": True, "release": False}[config.checkpoint.staging_buffer]
@@ -174,7 +175,9 @@ class Trainer:
             except CheckpointError as err:
                 raise CheckpointError(f"the checkpoint of step {snapshot.step}: {err}") from None
         ledger, buffer = self.parts.ledger, self.parts.buffer
-        saved = ledger.saved(self.step, buffer.ordinals_and_targets())
+        tokens = tokens_per_group(buffer.state_dict())
+        saved = ledger.saved(self.step, buffer.ordinals_and_targets(), tokens)
+        self.continued = {k: (p.lengths, p.finished.tolist()) for k, p in ledger.partials.items()}
         plan = plan_resume(saved, self.config.checkpoint.resume_policy)
         ledger.apply(plan)
         buffer.discard(plan.discarded)
@@ -214,6 +217,14 @@ class Trainer:
             skipped_ordinals=plan.skipped,
             discarded_groups=plan.discarded,
             refilled_targets=plan.fills,
+            kept_tokens=plan.kept_tokens,
+            regenerated_tokens=plan.regenerated_tokens,
+            continued_partials={
+                str(k): {"lengths": lengths, "finished": finished}
+                for k, (lengths, finished) in sorted(self.continued.items())
+            }
+            if plan.policy == "lossless"
+            else {},
             rejected_checkpoints=self.run.rejected,
             config_changes=benign_differences(saved_config, self.config),
             forced_config_changes=self.run.forced_changes,
@@ -223,7 +234,8 @@ class Trainer:
             f"asyncrl: resumed at step {self.step} (attempt {self.attempt}, {plan.policy}): kept "
             f"{len(plan.kept)} buffered groups, re-dispatched {len(plan.redispatched)} in-flight "
             f"prompts, skipped {len(plan.skipped)} prompts, discarded {len(plan.discarded)} "
-            "finished groups"
+            f"finished groups; generated tokens kept {plan.kept_tokens}, to regenerate "
+            f"{plan.regenerated_tokens}"
         )
 
     # --- the loop -------------------------------------------------------------------------
@@ -362,18 +374,19 @@ class Trainer:
         self.parts.weights.publish(version, self.parts.algo.policy_weights())
         self.parts.collector.publish_version(version)
 
-    def _on_batch(
-        self, start: float, elapsed: float, version: int, tickets: list[PromptTicket]
-    ) -> None:
+    def _on_batch(self, chunk: Chunk) -> None:
         self.logs.timeline.write(
             {
                 "kind": "generate",
-                "start": unix_time(start),
-                "seconds": elapsed,
-                "version": version,
+                "start": unix_time(chunk.start),
+                "seconds": chunk.seconds,
+                "version": chunk.version,
                 "attempt": self.attempt,
-                "ordinals": [t.ordinal for t in tickets],
-                "targets": [t.target_step for t in tickets],
+                "ordinals": [t.ordinal for t in chunk.tickets],
+                "targets": [t.target_step for t in chunk.tickets],
+                "token_starts": chunk.token_starts,
+                "token_counts": chunk.token_counts,
+                "landed": chunk.landed,
             }
         )
 
