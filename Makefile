@@ -37,6 +37,7 @@ test: lint
 bench: setup
 	$(BIN)/python benchmarks/overlap.py
 	$(BIN)/python benchmarks/resume_cost.py
+	$(BIN)/python benchmarks/mid_generation.py
 
 bench-algos: setup
 	$(BIN)/python benchmarks/ppo_vs_grpo.py

@@ -92,6 +92,7 @@ def inspect_run_dir(run_dir: Path) -> dict[str, Any]:
         "in_flight_ordinals": sorted(k for k, _ in in_flight),
         "partial_tokens": {str(k): v for k, v in sorted(partial.items())},
         "partial_samples": {str(k): v for k, v in sorted(samples.items())},
+        "buffered_tokens": {str(k): v for k, v in sorted(saved.buffered_tokens.items())},
         "buffered_ordinals": sorted(k for k, _ in buffered),
         "resume_cost": costs,
         "rejected": rejected,

@@ -37,7 +37,7 @@ def shape(task_path: Path, chunk_tokens: int = 16) -> list[str]:
         f"rollout.chunk_tokens={chunk_tokens}",
         "rollout.num_prompts_per_step=4",
         "rollout.num_generations_per_prompt=4",
-        "rollout.groups_per_batch=2",
+        "rollout.groups_per_batch=4",
         "rollout.max_trajectory_age_steps=1",
         "checkpoint.save_period=2",
     ]

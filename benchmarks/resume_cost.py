@@ -1,17 +1,24 @@
 """What one crash costs under each resume policy, measured from real resumed runs.
 
-A real `asyncrl train` process (generation-bound: 24-token completions, 2 groups per batch,
-A=2) is SIGKILLed (fault injection) right after its second checkpoint became durable, with
-prompts in flight and targets half-buffered, as in the seed's scenario. The run dir is copied
-three times and each copy is resumed under one policy. From each resumed run's own records it
-prints
+A real `asyncrl train` process on the long-generation shape (completions of up to 128 tokens
+generated 16 at a time, a step's 4 groups per batch, A=1; `benchmarks/long_generation.py`) is
+SIGKILLed (fault injection) right after its second checkpoint became durable, with groups in
+flight holding partial samples and targets half-buffered, as in the seed's scenario. The run
+dir is copied once per policy and each copy is resumed. From each resumed run's own records
+it prints
 
-    POLICY: skipped=S discarded=D regenerated=R redo_s=X
+    POLICY: skipped=S discarded=D regenerated=R tokens_regenerated=T redo_s=X
 
 skipped: prompts no step will ever train; discarded: finished groups deleted; regenerated:
 groups generated for the checkpoint's targets beyond the slots that had never been dispatched
-(work done twice); redo_s: generation seconds those cost. Then the checkpoint's own cost at
-the demo's shape: seconds the trainer is blocked per checkpoint against the step time.
+(work done twice); tokens_regenerated: generated tokens the checkpoint held that the resumed
+run generated again (read off its timeline's per-sample token spans) or threw away (the
+partial samples of skipped prompts, the discarded groups); redo_s: the generation seconds
+those tokens cost at the resumed run's seconds per token. `lossless` continues the partial
+samples; `lossless_without_partials` is the same resume with the partials not restored (what
+asyncrl did before partial generations: the test-only `ASYNCRL_TEST_SKIP_RESTORE` switch).
+Then the checkpoint's own cost at the demo's shape: seconds the trainer is blocked per
+checkpoint against the step time.
 
     .venv/bin/python benchmarks/resume_cost.py
 """
@@ -25,28 +32,26 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
+from typing import Any
+
+from long_generation import shape, write_task
 
 from asyncrl.core.resume import POLICIES
 from asyncrl.inspect_run import inspect_run_dir
 from asyncrl.train.records import read_jsonl
 
 ROOT = Path(__file__).resolve().parents[1]
-CRASH_SHAPE = [
-    # generation-bound, as LLM RL usually is: 24-token completions generated 2 groups at a
-    # time, so the collector is still filling targets when a checkpoint lands
-    "data.num_digits=24",
-    "rollout.max_new_tokens=24",
-    "rollout.num_prompts_per_step=8",
-    "rollout.num_generations_per_prompt=8",
-    "rollout.groups_per_batch=2",
-    "rollout.max_trajectory_age_steps=2",
-    "checkpoint.save_period=5",
-]
 QUIET = ["logging.progress=false", "logging.plot=false"]
+VARIANTS = [*POLICIES[:1], "lossless_without_partials", *POLICIES[1:]]
 
 
-def train(run_dir: Path, *extra: str, fault: str = "") -> int:
-    env = {**os.environ, "ASYNCRL_FAULT": fault, "PYTHONWARNINGS": "ignore"}
+def train(run_dir: Path, *extra: str, fault: str = "", skip: str = "") -> int:
+    env = {
+        **os.environ,
+        "ASYNCRL_FAULT": fault,
+        "ASYNCRL_TEST_SKIP_RESTORE": skip,
+        "PYTHONWARNINGS": "ignore",
+    }
     command = [sys.executable, "-m", "asyncrl.cli", "train", str(ROOT / "configs/demo.yaml")]
     done = subprocess.run(
         [*command, "--run-dir", str(run_dir), *QUIET, *extra],
@@ -57,48 +62,85 @@ def train(run_dir: Path, *extra: str, fault: str = "") -> int:
     return done.returncode
 
 
-def generated_for(run_dir: Path, targets: set[int]) -> tuple[int, float]:
-    """Groups the resumed attempt (1) generated for `targets`, and their generation seconds
-    (each batch's seconds shared equally among its groups)."""
-    count, seconds = 0, 0.0
+def generated_for(run_dir: Path, targets: set[int]) -> int:
+    """Groups the resumed attempt (1) generated for `targets` (each counted once, in the span
+    where it landed: a chunked group spans several)."""
+    count = 0
     for span in read_jsonl(run_dir / "timeline.jsonl"):
         if span["kind"] == "generate" and span["attempt"] == 1:
-            hits = sum(1 for t in span["targets"] if t in targets)
-            count += hits
-            seconds += span["seconds"] * hits / len(span["targets"])
-    return count, seconds
+            landed = span.get("landed", span["ordinals"])
+            count += sum(
+                1
+                for k, t in zip(span["ordinals"], span["targets"], strict=True)
+                if k in landed and t in targets
+            )
+    return count
+
+
+def tokens_regenerated(
+    run_dir: Path, saved: dict[str, Any], resume: dict[str, Any]
+) -> tuple[int, float]:
+    """Generated tokens of the checkpoint `saved` (its `inspect`) that the resumed attempt
+    generated again or threw away, and the seconds per generated token of that attempt."""
+    partials, buffered = saved["partial_samples"], saved["buffered_tokens"]
+    again, tokens, seconds = 0, 0, 0.0
+    for span in read_jsonl(run_dir / "timeline.jsonl"):
+        if span["kind"] != "generate" or span["attempt"] != 1:
+            continue
+        seconds += span["seconds"]
+        for k, starts, counts in zip(
+            span["ordinals"], span["token_starts"], span["token_counts"], strict=True
+        ):
+            tokens += sum(counts)
+            if str(k) in buffered:
+                again += sum(counts)
+            elif str(k) in partials:
+                had = partials[str(k)]["lengths"]
+                again += sum(
+                    max(0, min(s + c, n) - s) for s, c, n in zip(starts, counts, had, strict=True)
+                )
+    thrown = sum(buffered[str(k)] for k in resume["discarded_groups"])
+    thrown += sum(
+        sum(partials[str(k)]["lengths"]) for k in resume["skipped_ordinals"] if str(k) in partials
+    )
+    return again + thrown, seconds / max(tokens, 1)
 
 
 def crash_and_resume(tmp: Path) -> None:
+    crash_shape = shape(write_task(tmp / "long.jsonl"))
     base = tmp / "crashed"
-    print("crashing a run right after its checkpoint of step 10 ...", file=sys.stderr)
-    code = train(base, *CRASH_SHAPE, "run.max_num_steps=100", fault="checkpoint.parent_fsynced:2")
+    print("crashing a run right after its checkpoint of step 4 ...", file=sys.stderr)
+    code = train(base, *crash_shape, "run.max_num_steps=100", fault="checkpoint.parent_fsynced:2")
     assert code == -9, f"expected a SIGKILL, got exit {code}"
     info = inspect_run_dir(base)
     n, started = info["num_prompts_per_step"], {int(t) for t in info["targets"]}
     buffered, in_flight = info["ledger"]["buffered"], info["ledger"]["in_flight"]
     never_dispatched = n * len(started) - buffered - in_flight
     fill = ", ".join(f"{t}: {r['buffered']}/{n}" for t, r in info["targets"].items())
+    partial = sum(info["partial_tokens"].values())
+    finished = sum(sum(p["finished"]) for p in info["partial_samples"].values())
     print(
         f"checkpoint of step {info['step']}: buffered per target {{{fill}}}, "
-        f"{in_flight} in flight {info['in_flight_ordinals']}"
+        f"{in_flight} in flight {info['in_flight_ordinals']} holding {partial} generated "
+        f"tokens ({finished} samples finished), buffered groups "
+        f"{sum(info['buffered_tokens'].values())} tokens"
     )
-    for policy in POLICIES:
-        run_dir = tmp / policy
+    for variant in VARIANTS:
+        policy = "lossless" if variant.startswith("lossless") else variant
+        skip = "ledger.partial" if variant == "lossless_without_partials" else ""
+        run_dir = tmp / variant
         shutil.copytree(base, run_dir)
-        print(f"resuming under {policy} ...", file=sys.stderr)
+        print(f"resuming under {variant} ...", file=sys.stderr)
         steps = f"run.max_num_steps={max(started) + 2}"
-        code = train(run_dir, *CRASH_SHAPE, steps, f"checkpoint.resume_policy={policy}")
-        assert code == 0, f"{policy}: resume exited {code}"
+        code = train(run_dir, *crash_shape, steps, f"checkpoint.resume_policy={policy}", skip=skip)
+        assert code == 0, f"{variant}: resume exited {code}"
         (resume,) = [e for e in read_jsonl(run_dir / "events.jsonl") if e["event"] == "resume"]
-        count, seconds = generated_for(run_dir, started)
-        # groups generated for the checkpoint's targets beyond the slots never dispatched
-        # before the crash are work done twice
-        redone = count - never_dispatched
+        redone = generated_for(run_dir, started) - never_dispatched
+        tokens, per_token_s = tokens_regenerated(run_dir, info, resume)
         print(
-            f"{policy}: skipped={len(resume['skipped_ordinals'])} "
+            f"{variant}: skipped={len(resume['skipped_ordinals'])} "
             f"discarded={len(resume['discarded_groups'])} regenerated={redone} "
-            f"redo_s={seconds * redone / max(count, 1):.3f}"
+            f"tokens_regenerated={tokens} redo_s={tokens * per_token_s:.3f}"
         )
 
 

@@ -15,10 +15,10 @@ import pytest
 from helpers import read_records
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-from long_generation import shape, write_task  # noqa: E402
+from long_generation import shape, write_task
 
-from asyncrl.audit import audit_run_dir  # noqa: E402
-from asyncrl.inspect_run import inspect_run_dir  # noqa: E402
+from asyncrl.audit import audit_run_dir
+from asyncrl.inspect_run import inspect_run_dir
 
 pytestmark = pytest.mark.slow
 

@@ -42,10 +42,12 @@ def assert_schedule_and_exactly_once(run: Path, steps: int) -> list[dict]:
 
 
 def landed_per_ordinal(run: Path) -> dict[int, int]:
+    """How many times each ordinal's group landed in the buffer (a chunked group is in
+    several spans, and lands with one)."""
     seen: dict[int, int] = {}
     for span in read_records(run / "timeline.jsonl"):
         if span["kind"] == "generate":
-            for k in span["ordinals"]:
+            for k in span["landed"]:
                 seen[k] = seen.get(k, 0) + 1
     return seen
 
@@ -59,6 +61,24 @@ def test_an_end_to_end_run_on_two_worker_actors_passes_the_audit(tmp_path):
     # I2 with A=1. Not "== 1": whether some step trained on older weights depends on timing
     assert all(0 <= r["step"] - r["generation_version_min"] <= 1 for r in records)
     assert not ray.is_initialized()  # the run shut down the local Ray it started
+
+
+def test_chunked_generation_on_worker_actors_continues_each_sample_where_it_stopped(tmp_path):
+    run = tmp_path / "run"
+    chunked = ["rollout.max_new_tokens=12", "rollout.chunk_tokens=4"]
+    train(small_config(*RAY, *chunked, "run.max_num_steps=6"), run)
+    assert_schedule_and_exactly_once(run, 6)
+    assert set(landed_per_ordinal(run).values()) == {1}
+    spans = [s for s in read_records(run / "timeline.jsonl") if s["kind"] == "generate"]
+    next_token: dict[tuple[int, int], int] = {}
+    for span in spans:  # each sample's chunks follow on from each other, at most 4 tokens
+        for k, starts, counts in zip(
+            span["ordinals"], span["token_starts"], span["token_counts"], strict=True
+        ):
+            for i, (start, count) in enumerate(zip(starts, counts, strict=True)):
+                assert start == next_token.get((k, i), 0) and count <= 4
+                next_token[(k, i)] = start + count
+    assert any(start > 0 for s in spans for row in s["token_starts"] for start in row)
 
 
 def kill_worker_when(run: Path, steps_done: int, killed: list[str]) -> threading.Thread:

@@ -40,7 +40,8 @@ def collector_threads() -> list[threading.Thread]:
 def test_the_collector_thread_has_ended_when_train_returns(tmp_path, monkeypatch):
     real = TorchGenerationEngine.generate
 
-    def slow(self, requests, version=None, max_tokens=None):  # a batch that outlasts any short join timeout
+    # a batch that outlasts any short join timeout
+    def slow(self, requests, version=None, max_tokens=None):
         time.sleep(1.5)
         return real(self, requests, version, max_tokens)
 

@@ -2,12 +2,16 @@
 
     loop:
       admit tickets from the stream while their target is inside the window  (before pulling)
-      generate their groups in one batch with the newest published weights
+      generate their groups in one batch with the newest published weights,
+        in chunks of `chunk_tokens` tokens per sample if set: after each chunk the unfinished
+        groups' partial samples go to the ledger, the finished groups on
       score each sample, stamp the group (ordinal, target, versions), add it to the buffer
       if nothing is admissible: wait for the trainer to publish a new weights version
 
 Admission is checked against the newest *published* version, which the engine uses from its
-next batch on, so every group trained at step t was generated with a version >= t - A.
+next batch on, so every group trained at step t was generated with versions >= t - A (with
+mid-generation updates a group's later chunks use newer versions; its oldest token still
+obeys the bound).
 """
 
 from __future__ import annotations

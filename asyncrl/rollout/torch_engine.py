@@ -1,13 +1,17 @@
 """asyncrl's own generation engine (`rollout.engine=torch`): batched sampling with a KV cache
-on a private copy of a Hugging Face causal LM. Each request's prompt is prefilled once, and its
-cache is shared out to the request's G samples.
+on a private copy of a Hugging Face causal LM. Each fresh request's prompt is prefilled once,
+and its cache is shared out to the request's G samples; a continued request (partial
+generations: `prefixes`) prefills each unfinished sample's prompt and tokens so far as a row
+of its own, and nothing is generated for a finished sample. `max_tokens` caps the new tokens
+per sample of one call (a chunk).
 
 The engine loads the version a batch asks for (by default the newest published) from its
-`WeightSource` at the start of the batch, so every token of a batch comes from one weights
-version. Sampling noise comes per request from `noise_seed`: sample i of a request draws token
-j by inverting the CDF at `u[i, j]`, where `u = rand(G, max_new_tokens)` under a generator
-seeded with `noise_seed`. A request therefore samples the same tokens whatever batch it lands
-in (up to the floating-point effects of batching on the logits).
+`WeightSource` at the start of the call, so every token of a call comes from one weights
+version. Sampling noise comes per request from `noise_seed`: sample i of a request draws its
+token j (counted from the sample's start, wherever a chunk began) by inverting the CDF at
+`u[i, j]`, where `u = rand(G, max_new_tokens)` under a generator seeded with `noise_seed`. A
+request therefore samples the same tokens whatever batch it lands in and however it is cut
+into chunks (up to the floating-point effects of batching and re-prefilling on the logits).
 """
 
 from __future__ import annotations

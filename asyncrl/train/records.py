@@ -134,8 +134,25 @@ def step_record(
         "generation_version_max": max(g.version_max for g in groups),
         "generation_s": sum(g.generation_s for g in groups),
         "tokens_sha256": tokens_digest(groups),
+        "token_staleness_mean": token_staleness(step, groups),
+        "mixed_version_groups": sum(1 for g in groups if g.version_min != g.version_max),
         **rest,
     }
+
+
+def token_staleness(step: int, groups: list[Group]) -> float:
+    """Mean over the step's generated tokens of (step - the weights version that sampled
+    the token): with mid-generation weight updates, lower than the groups' oldest version
+    says."""
+    total, count = 0, 0
+    for g in groups:
+        if g.token_versions is None:
+            n = int(g.completion_mask.sum())
+            total, count = total + n * (step - g.version_max), count + n
+        else:
+            used = g.token_versions[g.completion_mask]
+            total, count = total + int((step - used).sum()), count + used.numel()
+    return total / max(count, 1)
 
 
 class RunLogs:
