@@ -70,6 +70,7 @@ def inspect_run_dir(run_dir: Path) -> dict[str, Any]:
             "prompts_skipped": len(plan.skipped),
             "finished_groups_discarded": len(plan.discarded),
             "groups_regenerated": plan.num_regenerated,
+            "groups_continued": len(plan.continued),
             "kept_tokens": plan.kept_tokens,
             "regenerated_tokens": plan.regenerated_tokens,
             "messages": plan.messages,
@@ -134,7 +135,7 @@ def render(info: dict[str, Any]) -> None:
     costs = Table(title="what resuming this checkpoint costs")
     columns = (
         "policy", "prompts skipped", "finished groups discarded", "groups regenerated",
-        "tokens kept", "tokens regenerated",
+        "groups continued", "tokens kept", "tokens regenerated",
     )  # fmt: skip
     for column in columns:
         costs.add_column(column, justify="right")
@@ -144,6 +145,7 @@ def render(info: dict[str, Any]) -> None:
             str(cost["prompts_skipped"]),
             str(cost["finished_groups_discarded"]),
             str(cost["groups_regenerated"]),
+            str(cost["groups_continued"]),
             str(cost["kept_tokens"]),
             str(cost["regenerated_tokens"]),
         )

@@ -11,7 +11,7 @@ it prints
 
 skipped: prompts no step will ever train; discarded: finished groups deleted; regenerated:
 groups generated for the checkpoint's targets beyond the slots that had never been dispatched
-(work done twice); tokens_regenerated: generated tokens the checkpoint held that the resumed
+and the groups continued from saved partial samples (work done twice); tokens_regenerated: generated tokens the checkpoint held that the resumed
 run generated again (read off its timeline's per-sample token spans) or threw away (the
 partial samples of skipped prompts, the discarded groups); redo_s: the generation seconds
 those tokens cost at the resumed run's seconds per token. `lossless` continues the partial
@@ -135,7 +135,8 @@ def crash_and_resume(tmp: Path) -> None:
         code = train(run_dir, *crash_shape, steps, f"checkpoint.resume_policy={policy}", skip=skip)
         assert code == 0, f"{variant}: resume exited {code}"
         (resume,) = [e for e in read_jsonl(run_dir / "events.jsonl") if e["event"] == "resume"]
-        redone = generated_for(run_dir, started) - never_dispatched
+        continued = sum(1 for p in resume["continued_partials"].values() if sum(p["lengths"]))
+        redone = generated_for(run_dir, started) - never_dispatched - continued
         tokens, per_token_s = tokens_regenerated(run_dir, info, resume)
         print(
             f"{variant}: skipped={len(resume['skipped_ordinals'])} "

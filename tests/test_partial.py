@@ -180,8 +180,11 @@ def test_the_ledger_saves_partials_of_in_flight_ordinals_and_lossy_plans_drop_th
     assert saved.partial_tokens == {1: 3}
     lossless = plan_resume(saved, "lossless")
     assert (lossless.kept_tokens, lossless.regenerated_tokens) == (10, 0)
+    # ordinal 1 continues; ordinal 2 (in flight, no chunk saved yet) starts over
+    assert lossless.continued == [1] and lossless.num_regenerated == 1
     lossy = plan_resume(saved, "keep_incomplete")
     assert (lossy.kept_tokens, lossy.regenerated_tokens) == (7, 3)
+    assert lossy.continued == [] and lossy.num_regenerated == 2
     restored.apply(lossy)
     assert restored.partials == {}
     with pytest.raises(KeyError):

@@ -48,6 +48,8 @@ class ResumePlan:
     """Buffered ordinals deleted: their finished groups are thrown away."""
     redispatched: list[tuple[int, int]] = field(default_factory=list)
     """(ordinal, target) dispatched again, first."""
+    continued: list[int] = field(default_factory=list)
+    """Re-dispatched ordinals whose saved partial samples are continued, not started over."""
     skipped: list[int] = field(default_factory=list)
     """Ordinals handed out before the checkpoint that no step will ever train."""
     fills: list[int] = field(default_factory=list)
@@ -65,10 +67,12 @@ class ResumePlan:
 
     @property
     def num_regenerated(self) -> int:
-        """Groups whose generation is paid twice: the re-dispatched ones, or (lossy) the
-        replacements of every skipped prompt and discarded group. Fills of slots that had never
-        been dispatched are not counted: that work was still to do anyway."""
-        return len(self.redispatched) + len(self.skipped) + len(self.discarded)
+        """Groups whose generation is paid twice: the re-dispatched ones not continued from
+        saved partial samples, or (lossy) the replacements of every skipped prompt and
+        discarded group. Fills of slots that had never been dispatched are not counted: that
+        work was still to do anyway."""
+        started_over = len(self.redispatched) - len(self.continued)
+        return started_over + len(self.skipped) + len(self.discarded)
 
 
 def plan_resume(saved: SavedLedger, policy: ResumePolicy) -> ResumePlan:
@@ -79,6 +83,7 @@ def plan_resume(saved: SavedLedger, policy: ResumePolicy) -> ResumePlan:
     partial = sum(saved.partial_tokens.values())
     if policy == "lossless":
         plan.kept_tokens += partial
+        plan.continued = sorted(k for k, n in saved.partial_tokens.items() if n > 0)
     else:
         plan.regenerated_tokens += partial
     return plan
