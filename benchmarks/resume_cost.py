@@ -11,12 +11,13 @@ it prints
 
 skipped: prompts no step will ever train; discarded: finished groups deleted; regenerated:
 groups generated for the checkpoint's targets beyond the slots that had never been dispatched
-and the groups continued from saved partial samples (work done twice); tokens_regenerated: generated tokens the checkpoint held that the resumed
-run generated again (read off its timeline's per-sample token spans) or threw away (the
-partial samples of skipped prompts, the discarded groups); redo_s: the generation seconds
-those tokens cost at the resumed run's seconds per token. `lossless` continues the partial
-samples; `lossless_without_partials` is the same resume with the partials not restored (what
-asyncrl did before partial generations: the test-only `ASYNCRL_TEST_SKIP_RESTORE` switch).
+and the groups continued from saved partial samples (work done twice); tokens_regenerated:
+generated tokens the checkpoint held that the resumed run generated again (read off its
+timeline's per-sample token spans) or threw away (the partial samples of skipped prompts,
+the discarded groups); redo_s: the generation seconds those tokens cost at the resumed run's
+seconds per token. `lossless` continues the partial samples; `lossless_without_partials` is
+the same resume with the partials not restored (what asyncrl did before partial generations:
+the test-only `ASYNCRL_TEST_SKIP_RESTORE` switch).
 Then the checkpoint's own cost at the demo's shape: seconds the trainer is blocked per
 checkpoint against the step time.
 

@@ -20,11 +20,14 @@ def policy():
     return load_policy(ModelConfig(), seed=0, alphabet=DIGITS)
 
 
-def engine_for(policy, max_new_tokens=6, temperature=1.0, weights=None):
+def engine_for(policy, max_new_tokens=6, temperature=1.0, weights=None, keep_cache=True):
     if weights is None:
         weights = CopyWeightSync()
         weights.publish(0, policy.model.state_dict())
-    spec = EngineSpec(policy.model, policy.eos_id, policy.pad_id, max_new_tokens, temperature)
+    spec = EngineSpec(
+        policy.model, policy.eos_id, policy.pad_id, max_new_tokens, temperature,
+        keep_cache_between_chunks=keep_cache,
+    )  # fmt: skip
     return TorchGenerationEngine(spec, weights)
 
 

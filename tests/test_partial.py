@@ -68,9 +68,12 @@ def as_rows(partial, pad_id):
     return torch.where(partial.mask, partial.tokens, pad_id), partial.mask, partial.logprobs
 
 
+@pytest.mark.parametrize("keep_cache", [True, False], ids=["cache-kept", "re-prefilled"])
 @pytest.mark.parametrize("chunk", [1, 3, 7])
-def test_a_sequence_generated_in_chunks_is_the_sequence_generated_in_one_go(policy, chunk):
-    engine = engine_for(policy, max_new_tokens=LONG)
+def test_a_sequence_generated_in_chunks_is_the_sequence_generated_in_one_go(
+    policy, chunk, keep_cache
+):
+    engine = engine_for(policy, max_new_tokens=LONG, keep_cache=keep_cache)
     whole = engine.generate(requests_for(policy))
     lengths = torch.cat([o.completion_mask.sum(dim=1) for o in whole])
     assert int(lengths.min()) < int(lengths.max()) <= LONG  # EOS at different places
@@ -103,8 +106,11 @@ def test_a_chunked_sequence_stopped_and_continued_elsewhere_is_bitwise_the_same(
     # deterministic mode (deterministic algorithms) the result is bit-for-bit the same
     torch.use_deterministic_algorithms(True)
     try:
-        reference = in_chunks(engine_for(policy, max_new_tokens=LONG), requests_for(policy), 5)
-        first = engine_for(policy, max_new_tokens=LONG)
+        # deterministic mode keeps no cache between chunks (a resumed run has none)
+        reference = in_chunks(
+            engine_for(policy, max_new_tokens=LONG, keep_cache=False), requests_for(policy), 5
+        )
+        first = engine_for(policy, max_new_tokens=LONG, keep_cache=False)
         requests = requests_for(policy)
         outs = first.generate(requests, max_tokens=5)
         saved = [
@@ -115,7 +121,7 @@ def test_a_chunked_sequence_stopped_and_continued_elsewhere_is_bitwise_the_same(
             )
             for o in outs
         ]
-        second = engine_for(policy, max_new_tokens=LONG)
+        second = engine_for(policy, max_new_tokens=LONG, keep_cache=False)
         partials = saved
         while not all(p.done for p in partials):
             asked = [
@@ -361,3 +367,45 @@ def test_mid_generation_updates_need_chunks_and_are_refused_in_deterministic_mod
         )  # fmt: skip
     with pytest.raises(ConfigError, match=r"rollout\.chunk_tokens"):
         small_config("rollout.chunk_tokens=-1")
+
+
+def test_chunks_in_one_process_reuse_the_kv_cache_unless_the_weights_changed(policy):
+    from asyncrl.rollout.weight_sync import CopyWeightSync
+
+    weights = CopyWeightSync(2)
+    weights.publish(0, policy.model.state_dict())
+    engine = engine_for(policy, max_new_tokens=LONG, weights=weights)
+    widths = []
+    real_forward = engine._model.forward
+
+    def forward(*args, **kwargs):
+        widths.append(kwargs["input_ids"].shape[1])
+        return real_forward(*args, **kwargs)
+
+    engine._model.forward = forward
+    requests = requests_for(policy)[:1]
+    outs = engine.generate(requests, max_tokens=4)
+    partial = Partial.empty(G).extend(
+        outs[0].completion_ids, outs[0].completion_mask, outs[0].logprobs, 0,
+        outs[0].finished_rows(),
+    )  # fmt: skip
+    assert not partial.done
+    asked = [
+        GenerationRequest(
+            requests[0].prompt_ids, G, requests[0].noise_seed, partial.prefixes(),
+            tuple(partial.finished.tolist()),
+        )
+    ]  # fmt: skip
+    widths.clear()
+    engine.generate(asked, max_tokens=4)
+    assert max(widths) == 1  # every forward of the continued chunk was one token wide: no prefill
+    # the same request again: the cache now holds later tokens, so it cannot be used
+    widths.clear()
+    engine.generate(asked, max_tokens=4)
+    assert max(widths) > 1
+    # new weights: a kept cache (computed with the old ones) is never used
+    engine.generate(requests, max_tokens=4)
+    weights.publish(1, {k: v + 0.01 for k, v in policy.model.state_dict().items()})
+    widths.clear()
+    engine.generate(asked, max_tokens=4)
+    assert max(widths) > 1

@@ -74,7 +74,9 @@ def crash_and_finish(
     for attempt, point in enumerate(points):
         code = launch(repo_root, run, extra, fault=f"engine.decode_step:{point}", skip=skip)
         assert code == -9, f"attempt {attempt}: the kill at decode step {point} never fired"
-        resumed.append((attempt + 1, inspect_run_dir(run)))
+        info = inspect_run_dir(run)
+        assert info["checkpoint"] is not None, f"attempt {attempt}: killed before a checkpoint"
+        resumed.append((attempt + 1, info))
     assert launch(repo_root, run, extra, skip=skip) == 0
     return resumed
 
@@ -82,14 +84,14 @@ def crash_and_finish(
 @pytest.fixture()
 def long_shape(tmp_path: Path) -> list[str]:
     task = write_task(tmp_path / "long.jsonl")
-    return [*shape(task, chunk_tokens=16), "run.max_num_steps=12"]
+    return [*shape(task, chunk_tokens=16), "run.max_num_steps=14"]
 
 
 def test_killed_mid_chunk_three_times_no_checkpointed_token_is_generated_again(
     tmp_path, repo_root, long_shape
 ):
     run = tmp_path / "run"
-    resumed = crash_and_finish(repo_root, run, long_shape, (700, 900, 600))
+    resumed = crash_and_finish(repo_root, run, long_shape, (450, 400, 350))
     # the kills landed where there was partial work to keep: unfinished samples with tokens,
     # and finished samples of groups still in flight
     samples = [s for _, info in resumed for s in info["partial_samples"].values()]
@@ -99,7 +101,7 @@ def test_killed_mid_chunk_three_times_no_checkpointed_token_is_generated_again(
         assert regenerated(run, attempt, info) == [], f"attempt {attempt}"
     report = audit_run_dir(run)
     assert report.ok, report.violations
-    assert report.num_resumes == 3 and report.num_steps == 12
+    assert report.num_resumes == 3 and report.num_steps == 14
     resumes = [e for e in read_records(run / "events.jsonl") if e["event"] == "resume"]
     for event, (_, info) in zip(resumes, resumed, strict=True):
         assert event["kept_tokens"] == info["resume_cost"]["lossless"]["kept_tokens"]
@@ -111,6 +113,6 @@ def test_negative_control_a_resume_that_drops_the_partials_regenerates_saved_tok
     tmp_path, repo_root, long_shape
 ):
     run = tmp_path / "run"
-    resumed = crash_and_finish(repo_root, run, long_shape, (700,), skip="ledger.partial")
+    resumed = crash_and_finish(repo_root, run, long_shape, (450,), skip="ledger.partial")
     found = [line for attempt, info in resumed for line in regenerated(run, attempt, info)]
     assert found, "the oracle saw nothing regenerated although no partial was restored"

@@ -80,6 +80,11 @@ class EngineSpec:
     """Where the engine generates (`rollout.device`)."""
     dtype: str = "float32"
     """The engine's weights and compute (`rollout.dtype`)."""
+    keep_cache_between_chunks: bool = True
+    """Chunked generation: an engine may keep a chunk's KV cache for the next chunk of the
+    same samples in the same process, instead of prefilling their prefixes again. Off in
+    deterministic mode: a resumed run has no cache to keep, and must compute what the
+    uninterrupted run computed."""
 
 
 class GenerationEngine(Protocol):

@@ -17,6 +17,7 @@ into chunks (up to the floating-point effects of batching and re-prefilling on t
 from __future__ import annotations
 
 import copy
+from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import torch
@@ -31,6 +32,21 @@ from asyncrl.rollout.engine import (
     GenerationRequest,
 )
 from asyncrl.rollout.weight_sync import WeightSource
+
+
+@dataclass
+class _Carry:
+    """The decoding state a chunk ended in, for the next chunk of the same samples: valid
+    only with the same weights version, and only for rows whose key it lists."""
+
+    version: int
+    rows: dict[tuple[int, int, int], int]
+    """(noise seed, sample, tokens generated so far) -> row of the tensors below."""
+    cache: Any
+    attention: torch.Tensor
+    positions: torch.Tensor
+    pending: torch.Tensor
+    """Each row's last sampled token: not yet run through the model."""
 
 
 def sample_inverse_cdf(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
@@ -65,6 +81,8 @@ class TorchGenerationEngine:
         self.weights = weights
         self._loaded: int | None = None  # the version the private model holds
         self._keeps_logits = keeps_logits(self._model)
+        self._keep_cache = spec.keep_cache_between_chunks
+        self._carry: _Carry | None = None
 
     def metrics(self) -> dict[str, float]:
         return {}
@@ -124,7 +142,7 @@ class TorchGenerationEngine:
         logprobs, mask = torch.zeros(tokens.shape), torch.zeros(tokens.shape, dtype=torch.bool)
         finished = done_before.clone()
         if len(rows):
-            sampled = self._sample(requests, rows, uniforms, continued, max_tokens)
+            sampled = self._sample(requests, rows, uniforms, continued, max_tokens, version)
             new_tokens, new_logprobs, new_mask, new_finished = (t.cpu() for t in sampled)
             width = new_tokens.shape[1]
             tokens = torch.full((len(done_before), width), self.pad_id, dtype=torch.int64)
@@ -153,7 +171,11 @@ class TorchGenerationEngine:
         )
         sample_of = torch.cat([torch.arange(r.num_samples) for r in requests])
         keep = {"logits_to_keep": 1} if self._keeps_logits else {}
+        carry, self._carry = self._carry, None  # used at most once
         if continued:
+            kept = self._from_carry(carry, requests, rows, request_of, sample_of)
+            if kept is not None:
+                return kept
             inputs, offsets = [], []
             for row in rows.tolist():
                 r = requests[int(request_of[row])]
@@ -185,6 +207,42 @@ class TorchGenerationEngine:
         out.logits = out.logits[index]
         return out, attention[index], positions[index], torch.zeros(len(rows), dtype=torch.int64)
 
+    def _from_carry(
+        self,
+        carry: _Carry | None,
+        requests: list[GenerationRequest],
+        rows: torch.Tensor,
+        request_of: torch.Tensor,
+        sample_of: torch.Tensor,
+    ) -> tuple[Any, torch.Tensor, torch.Tensor, torch.Tensor] | None:
+        """The previous chunk's state for exactly these rows, their pending tokens run through
+        the model; None if it does not hold every row (or holds other weights)."""
+        if carry is None or carry.version != self._loaded:
+            return None
+        keys, offsets = [], []
+        for row in rows.tolist():
+            r, sample = requests[int(request_of[row])], int(sample_of[row])
+            done = len(r.prefixes[sample]) if r.prefixes else 0
+            keys.append((r.noise_seed, sample, done))
+            offsets.append(done)
+        if not all(k in carry.rows for k in keys):
+            return None
+        index = torch.tensor([carry.rows[k] for k in keys], device=self.device)
+        carry.cache.batch_select_indices(index)
+        attention = torch.cat(
+            [carry.attention[index], torch.ones(len(keys), 1, dtype=carry.attention.dtype,
+                                                device=self.device)], dim=1
+        )  # fmt: skip
+        positions = carry.positions[index][:, -1:] + 1
+        out = self._model(
+            input_ids=carry.pending[index].unsqueeze(-1),
+            attention_mask=attention,
+            position_ids=positions,
+            past_key_values=carry.cache,
+            use_cache=True,
+        )
+        return out, attention, positions, torch.tensor(offsets, dtype=torch.int64)
+
     def _sample(
         self,
         requests: list[GenerationRequest],
@@ -192,6 +250,7 @@ class TorchGenerationEngine:
         uniforms: torch.Tensor,
         continued: bool,
         max_tokens: int | None,
+        version: int,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """Decodes the batch's unfinished samples (`rows` of the flattened requests) together.
         Row i draws its token j (counted from the sample's start) at `uniforms[i, j]`."""
@@ -216,7 +275,12 @@ class TorchGenerationEngine:
             logprobs.append(torch.where(alive, chosen, torch.zeros_like(chosen)))
             masks.append(alive)
             finished = finished | (token == self.eos_id) | (step + 1 >= room)
-            if bool(finished.all()) or step == steps - 1:
+            if bool(finished.all()):
+                break
+            if step == steps - 1:  # the chunk ends with samples to continue
+                if self._keep_cache:
+                    self._keep(requests, rows, out, attention, positions, token, finished,
+                               offsets + step + 1, version)  # fmt: skip
                 break
             attention = torch.cat([attention, alive.long().unsqueeze(-1)], dim=1)
             positions = positions[:, -1:] + 1
@@ -233,3 +297,25 @@ class TorchGenerationEngine:
             torch.stack(masks, 1),
             finished,
         )
+
+    def _keep(
+        self,
+        requests: list[GenerationRequest],
+        rows: torch.Tensor,
+        out: Any,
+        attention: torch.Tensor,
+        positions: torch.Tensor,
+        pending: torch.Tensor,
+        finished: torch.Tensor,
+        lengths: torch.Tensor,
+        version: int,
+    ) -> None:
+        """Keeps the cache of the unfinished rows for the next chunk."""
+        seeds = [r.noise_seed for r in requests for _ in range(r.num_samples)]
+        samples = [i for r in requests for i in range(r.num_samples)]
+        keys = {
+            (seeds[row], samples[row], int(lengths[i])): i
+            for i, row in enumerate(rows.tolist())
+            if not bool(finished[i])
+        }
+        self._carry = _Carry(version, keys, out.past_key_values, attention, positions, pending)

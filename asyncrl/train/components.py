@@ -79,6 +79,7 @@ def build_components(config: Config, on_batch: OnBatch | None = None) -> Compone
         rollout.temperature,
         rollout.device,
         rollout.dtype,
+        keep_cache_between_chunks=not config.run.deterministic,
     )
     shutdown: list[Callable[[], None]] = []
     buffer: Buffer
