@@ -116,3 +116,17 @@ def test_negative_control_a_resume_that_drops_the_partials_regenerates_saved_tok
     resumed = crash_and_finish(repo_root, run, long_shape, (450,), skip="ledger.partial")
     found = [line for attempt, info in resumed for line in regenerated(run, attempt, info)]
     assert found, "the oracle saw nothing regenerated although no partial was restored"
+
+
+def test_a_checkpoint_with_partials_resumes_with_chunking_switched_off(
+    tmp_path, repo_root, long_shape
+):
+    # chunk_tokens may change on resume: the saved partials are finished in one pass on the
+    # newest weights (only the newest is kept without chunks), each token keeping its version
+    run, short = tmp_path / "run", [*long_shape, "run.max_num_steps=8"]
+    assert launch(repo_root, run, short, fault="engine.decode_step:450") == -9
+    saved = inspect_run_dir(run)
+    assert sum(saved["partial_tokens"].values()) > 0
+    assert launch(repo_root, run, [*short, "rollout.chunk_tokens=0"]) == 0
+    assert regenerated(run, 1, saved) == []
+    assert audit_run_dir(run).ok

@@ -278,7 +278,9 @@ class Collector:
         """The weights version a ticket's next chunk asks for (None: the newest published)."""
         if self.pin_versions:  # deterministic mode: target t always uses version max(0, t - A)
             return max(0, ticket.target_step - self.window)
-        if self.mid_generation_updates or not partial.num_tokens:
+        if self.mid_generation_updates or not self.chunk_tokens or not partial.num_tokens:
+            # chunk_tokens=0 (a run resumed with chunking switched off) keeps only the newest
+            # version: the saved partial is finished on it, each token keeping its own version
             return None
         return int(partial.versions[partial.mask].max())  # a continued sample keeps its weights
 
