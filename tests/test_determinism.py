@@ -15,6 +15,8 @@ import pytest
 from helpers import read_complete_records, read_records
 from safetensors.torch import load_file
 
+from asyncrl.audit import audit_run_dir
+
 pytestmark = pytest.mark.slow
 
 STEPS = 24
@@ -204,21 +206,13 @@ def test_on_ray_a_killed_driver_resumes_bitwise_the_uninterrupted_run(
     assert fingerprint(run) == ray_reference
 
 
-def long_task(tmp_path_factory) -> Path:
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-    from long_generation import write_task
-
-    return write_task(tmp_path_factory.mktemp("task") / "long.jsonl")
-
-
 @pytest.fixture(scope="module")
-def chunked(tmp_path_factory) -> tuple[str, ...]:
-    """Partial generations: completions of up to 48 tokens from a ~200-symbol vocabulary (an
-    untrained model rarely samples EOS), generated 8 tokens at a time; generation-bound, so a
-    checkpoint finds groups in flight with partial samples."""
-    task = long_task(tmp_path_factory)
-    return ("data.task=jsonl", f"data.path={task}", "rollout.max_new_tokens=48",
-            "rollout.chunk_tokens=8")  # fmt: skip
+def chunked() -> tuple[str, ...]:
+    """Partial generations: completions of up to 40 tokens, generated 4 at a time. The tiny
+    vocabulary makes an untrained model's completions vary in length, so a batch's groups land
+    at different chunks and a checkpoint can hold a batch half landed, half in flight with
+    partial samples (the case whose re-dispatch must repeat the batch exactly)."""
+    return ("rollout.max_new_tokens=40", "rollout.chunk_tokens=4")
 
 
 @pytest.fixture(scope="module")
@@ -238,3 +232,14 @@ def test_killed_mid_chunk_and_resumed_from_partial_samples_is_bitwise_the_uninte
     continued = [n for e in resumes for p in e["continued_partials"].values() for n in p["lengths"]]
     assert sum(continued) > 0, "no resume continued a partial sample: the test proves nothing"
     assert fingerprint(run) == chunked_reference
+    # the continued samples really started at their saved lengths (in deterministic mode a
+    # group started over would draw the same tokens: the fingerprint alone cannot tell)
+    assert audit_run_dir(run).ok
+    spans = [s for s in read_records(run / "timeline.jsonl") if s["kind"] == "generate"]
+    for event in resumes:
+        for k, saved in event["continued_partials"].items():
+            first = next(
+                s for s in spans if s["attempt"] == event["attempt"] and int(k) in s["ordinals"]
+            )
+            starts = first["token_starts"][first["ordinals"].index(int(k))]
+            assert starts == saved["lengths"]

@@ -409,3 +409,71 @@ def test_chunks_in_one_process_reuse_the_kv_cache_unless_the_weights_changed(pol
     widths.clear()
     engine.generate(asked, max_tokens=4)
     assert max(widths) > 1
+
+
+def test_chunked_configs_need_the_engine_to_continue_prefixes_and_pin_versions():
+    from helpers import small_config
+
+    from asyncrl.rollout.engine import EngineCapabilities, check_capabilities
+
+    chunked = small_config("rollout.chunk_tokens=4")
+    with pytest.raises(ConfigError, match="continue from prefix"):
+        check_capabilities(chunked, EngineCapabilities(pinned_versions=True))
+    with pytest.raises(ConfigError, match="pinned versions"):
+        check_capabilities(chunked, EngineCapabilities(continue_from_prefix=True))
+    mid = small_config("rollout.chunk_tokens=4", "rollout.update_weights_mid_generation=true")
+    check_capabilities(mid, EngineCapabilities(continue_from_prefix=True))  # newest each chunk
+
+
+def test_a_prefix_already_at_max_new_tokens_is_finished_not_an_error(policy):
+    # max_new_tokens lowered on a forced resume: the saved sample cannot grow
+    engine = engine_for(policy, max_new_tokens=3)
+    request = requests_for(policy)[0]
+    asked = GenerationRequest(
+        request.prompt_ids, G, request.noise_seed, ((5, 6, 7),) * G, (False,) * G
+    )
+    (out,) = engine.generate([asked], max_tokens=2)
+    assert out.finished_rows().all() and not out.completion_mask.any()
+
+
+class FailingOnce(RecordingEngine):
+    """Records each call's requests; the `fail_call`-th call raises before generating."""
+
+    def __init__(self, engine, fail_call):
+        super().__init__(engine)
+        self.fail_call = fail_call
+        self.asked = []
+
+    def generate(self, requests, version=None, max_tokens=None):
+        self.asked.append(requests)
+        if len(self.asked) == self.fail_call:
+            raise RuntimeError("engine hiccup")
+        return super().generate(requests, version, max_tokens)
+
+
+def test_a_chunked_batch_that_fails_mid_generation_is_retried_from_its_saved_partials(policy):
+    ledger, buffer = Ledger(PromptStream(10, 2, seed=0)), ReplayBuffer(2, 4)
+    engine = FailingOnce(engine_for(policy, max_new_tokens=LONG), fail_call=2)
+    collector = collector_for(policy, engine, ledger, buffer, chunk=4)
+    collector.start()
+    groups = buffer.sample(0, check=collector.check)
+    collector.stop()
+    assert collector.num_failures == 1
+    first_out = engine.calls[0][3]  # what the first chunk generated
+    failed, retried = engine.asked[1], engine.asked[2]
+    assert [r.prefixes for r in retried] == [r.prefixes for r in failed]  # from the partials
+    for request, out in zip(retried, first_out, strict=True):
+        for prefix, row, mask in zip(
+            request.prefixes, out.completion_ids, out.completion_mask, strict=True
+        ):
+            assert list(prefix) == row[mask].tolist()  # neither lost nor doubled
+    reference_ledger, reference = Ledger(PromptStream(10, 2, seed=0)), ReplayBuffer(2, 4)
+    plain = collector_for(
+        policy, engine_for(policy, max_new_tokens=LONG), reference_ledger, reference, 4
+    )
+    plain.start()
+    expected = reference.sample(0, check=plain.check)
+    plain.stop()
+    for a, b in zip(groups, expected, strict=True):
+        assert torch.equal(a.completion_ids, b.completion_ids)
+        assert torch.equal(a.behaviour_logprobs, b.behaviour_logprobs)

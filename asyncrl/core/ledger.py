@@ -39,13 +39,19 @@ class Ledger:
     ) -> list[PromptTicket]:
         """Up to `max_count` tickets whose targets are inside the window at `weights_version`
         and before `end_target` (the run's step count: nothing is generated for a step that
-        will not train), re-dispatched ordinals first; each becomes in flight."""
+        will not train), each becoming in flight. Re-dispatched ordinals go first, in a batch
+        of their own: they are what was left of one batch (a failed one, or the one in flight
+        at a checkpoint, whose other groups may have landed), and mixing fresh tickets in would
+        change the batch compositions a deterministic run repeats."""
         tickets: list[PromptTicket] = []
+        redispatching = bool(self.redispatch)
         while (
             len(tickets) < max_count
             and self.next_target() < end_target
             and is_admissible(self.next_target(), weights_version, window)
         ):
+            if redispatching and not self.redispatch:
+                break  # re-dispatched tickets go out as a batch of their own, as they were
             ticket = self.redispatch.popleft() if self.redispatch else self.stream.take()
             self.in_flight[ticket.ordinal] = ticket
             tickets.append(ticket)

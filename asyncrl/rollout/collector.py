@@ -31,6 +31,7 @@ from asyncrl.core.partial import Partial
 from asyncrl.core.types import Group, PromptTicket
 from asyncrl.faults import fault_point
 from asyncrl.rollout.engine import GenerationEngine, GenerationOutput, GenerationRequest
+from asyncrl.rollout.weight_sync import WeightSource
 
 
 class GenerationFailed(RuntimeError):
@@ -116,6 +117,7 @@ class Collector:
         pad_id: int = 0,
         chunk_tokens: int = 0,
         mid_generation_updates: bool = False,
+        weights: WeightSource | None = None,
     ) -> None:
         self.ledger = ledger
         self.buffer = buffer
@@ -133,6 +135,7 @@ class Collector:
         self.pad_id = pad_id
         self.chunk_tokens = chunk_tokens  # 0: each batch in one engine pass
         self.mid_generation_updates = mid_generation_updates
+        self.weights = weights  # the engine's weights versions, to pin a continued sample's
         self._rewards: dict[int, torch.Tensor] = {}  # scored, not yet buffered
         self.num_failures = 0  # every failed batch, for the metrics
         self._consecutive_failures = 0
@@ -146,8 +149,10 @@ class Collector:
         self._thread.start()
 
     def stop(self, timeout_s: float | None = None) -> None:
-        """Stops admitting and waits for a batch in progress to land (at most `timeout_s`, if
-        given; one still running then is abandoned, its ordinals in flight in the ledger)."""
+        """Stops admitting and waits for the engine call in progress (a batch, or one chunk of
+        it: a chunked batch stops between chunks, its partials in the ledger) to end (at most
+        `timeout_s`, if given; one still running then is abandoned, its ordinals in flight in
+        the ledger)."""
         with self._cond:
             self._stop = True
             self._cond.notify_all()
@@ -247,6 +252,8 @@ class Collector:
         wanted = {t.ordinal: self._wanted_version(t, partials[t.ordinal]) for t in tickets}
         seconds = dict.fromkeys(partials, 0.0)
         while open_tickets := [t for t in tickets if not partials[t.ordinal].done]:
+            if self.mid_generation_updates:  # every chunk on the newest weights, in one call
+                wanted = dict.fromkeys(wanted, self._newest())
             by_version: dict[int | None, list[PromptTicket]] = {}
             for t in open_tickets:
                 by_version.setdefault(wanted[t.ordinal], []).append(t)
@@ -254,7 +261,7 @@ class Collector:
                 chunk = self._chunk(group, partials, version)
                 for t in group:
                     seconds[t.ordinal] += chunk.seconds / len(group)
-                    if wanted[t.ordinal] is None and not self.mid_generation_updates:
+                    if not self.mid_generation_updates:
                         wanted[t.ordinal] = chunk.version  # the rest of the batch keeps it
                 landed = [t for t in group if partials[t.ordinal].done]
                 groups = [self._group(t, partials[t.ordinal], seconds[t.ordinal]) for t in landed]
@@ -278,11 +285,24 @@ class Collector:
         """The weights version a ticket's next chunk asks for (None: the newest published)."""
         if self.pin_versions:  # deterministic mode: target t always uses version max(0, t - A)
             return max(0, ticket.target_step - self.window)
-        if self.mid_generation_updates or not self.chunk_tokens or not partial.num_tokens:
-            # chunk_tokens=0 (a run resumed with chunking switched off) keeps only the newest
-            # version: the saved partial is finished on it, each token keeping its own version
-            return None
-        return int(partial.versions[partial.mask].max())  # a continued sample keeps its weights
+        if self.mid_generation_updates or not partial.num_tokens:
+            return self._newest()
+        version = int(partial.versions[partial.mask].max())  # a continued sample keeps its weights
+        # unless they are no longer kept (a run resumed with chunking or pinning switched off):
+        # then it is finished on the newest, each token keeping its own version
+        return version if self._kept(version) else self._newest()
+
+    def _newest(self) -> int | None:
+        return None if self.weights is None else self.weights.newest()
+
+    def _kept(self, version: int) -> bool:
+        if self.weights is None:
+            return True
+        try:
+            self.weights.get(version)
+        except KeyError:
+            return False
+        return True
 
     def _chunk(
         self, tickets: list[PromptTicket], partials: dict[int, Partial], version: int | None

@@ -130,6 +130,8 @@ def required_capabilities(config: Config) -> dict[str, str]:
             needs[capability] = "run.deterministic=true"
     if config.rollout.chunk_tokens:
         needs["continue_from_prefix"] = f"rollout.chunk_tokens={config.rollout.chunk_tokens}"
+        if not config.rollout.update_weights_mid_generation:  # a sample keeps its version
+            needs["pinned_versions"] = f"rollout.chunk_tokens={config.rollout.chunk_tokens}"
     return needs
 
 

@@ -133,9 +133,15 @@ class TorchGenerationEngine:
             ]
         )  # drawn on the CPU: the same noise on every device
         done_before = torch.tensor(
-            [f for r in requests for f in (r.finished or (False,) * r.num_samples)],
+            [
+                bool(r.finished[i]) or len(r.prefixes[i]) >= self.max_new_tokens
+                if r.prefixes
+                else False
+                for r in requests
+                for i in range(r.num_samples)
+            ],
             dtype=torch.bool,
-        )
+        )  # a prefix already at max_new_tokens (lowered on a forced resume) is finished
         rows = torch.nonzero(~done_before).squeeze(-1)
         continued = any(r.prefixes for r in requests)
         tokens = torch.full((len(done_before), 0), self.pad_id, dtype=torch.int64)

@@ -6,9 +6,10 @@ The sync is picked with the backend: `CopyWeightSync` for `backend=threads` (a p
 this process), `asyncrl.distributed.weights.ObjectStoreWeightSync` for `backend=ray` (one
 `ray.put` per version, fetched by each worker); NCCL or CUDA-IPC transfers fit behind the
 same two calls. A sync keeps the newest `max_versions` versions (deterministic mode pins
-target t to version max(0, t-A), so it keeps A+1) and is a stateful checkpoint part: its state
-is every kept version older than the newest, which a resumed deterministic run still has to
-generate with (the newest is the trainer's own weights, published again after a resume).
+target t to version max(0, t-A), and chunked generation finishes a sample on the version it
+started with, so both keep A+1) and is a stateful checkpoint part: its state is every kept
+version older than the newest, which a resumed run may still have to generate with (the
+newest is the trainer's own weights, published again after a resume).
 """
 
 from __future__ import annotations

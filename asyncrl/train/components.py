@@ -109,6 +109,7 @@ def build_components(config: Config, on_batch: OnBatch | None = None) -> Compone
         pad_id=policy.pad_id,
         chunk_tokens=rollout.chunk_tokens,
         mid_generation_updates=rollout.update_weights_mid_generation,
+        weights=weights,
     )
     return Components(
         policy, task, stream, ledger, buffer, weights, engine, collector, algo, shutdown
