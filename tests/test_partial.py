@@ -240,6 +240,16 @@ def collector_for(policy, engine, ledger, buffer, chunk, mid=False, stop_after=N
     return collector
 
 
+def uninterrupted_groups(policy):
+    """Target 0's groups from a chunked collector that nothing stops or fails."""
+    ledger, buffer = Ledger(PromptStream(10, 2, seed=0)), ReplayBuffer(2, 4)
+    collector = collector_for(policy, engine_for(policy, max_new_tokens=LONG), ledger, buffer, 4)
+    collector.start()
+    groups = buffer.sample(0, check=collector.check)
+    collector.stop()
+    return groups
+
+
 def test_a_batch_stopped_between_chunks_continues_without_generating_finished_samples_again(
     policy,
 ):
@@ -297,12 +307,7 @@ def test_a_batch_stopped_between_chunks_continues_without_generating_finished_sa
             row = group.completion_ids[i][group.completion_mask[i]].tolist()
             assert row[: len(prefix)] == list(prefix)
     # and the result is what one uninterrupted chunked collector produces
-    ledger3, buffer3 = Ledger(PromptStream(10, 2, seed=0)), ReplayBuffer(2, 4)
-    collector3 = collector_for(policy, engine_for(policy, max_new_tokens=LONG), ledger3, buffer3, 4)
-    collector3.start()
-    reference = buffer3.sample(0, check=collector3.check)
-    collector3.stop()
-    for a, b in zip(groups, reference, strict=True):
+    for a, b in zip(groups, uninterrupted_groups(policy), strict=True):
         assert torch.equal(a.completion_ids, b.completion_ids)
         assert torch.equal(a.completion_mask, b.completion_mask)
 
@@ -467,13 +472,6 @@ def test_a_chunked_batch_that_fails_mid_generation_is_retried_from_its_saved_par
             request.prefixes, out.completion_ids, out.completion_mask, strict=True
         ):
             assert list(prefix) == row[mask].tolist()  # neither lost nor doubled
-    reference_ledger, reference = Ledger(PromptStream(10, 2, seed=0)), ReplayBuffer(2, 4)
-    plain = collector_for(
-        policy, engine_for(policy, max_new_tokens=LONG), reference_ledger, reference, 4
-    )
-    plain.start()
-    expected = reference.sample(0, check=plain.check)
-    plain.stop()
-    for a, b in zip(groups, expected, strict=True):
+    for a, b in zip(groups, uninterrupted_groups(policy), strict=True):
         assert torch.equal(a.completion_ids, b.completion_ids)
         assert torch.equal(a.behaviour_logprobs, b.behaviour_logprobs)
