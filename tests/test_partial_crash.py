@@ -6,8 +6,6 @@ restoring the partials and must show regenerated tokens."""
 
 from __future__ import annotations
 
-import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -16,31 +14,12 @@ from helpers import read_records
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 from long_generation import shape, write_task
+from resume_cost import train
 
 from asyncrl.audit import audit_run_dir
 from asyncrl.inspect_run import inspect_run_dir
 
 pytestmark = pytest.mark.slow
-
-QUIET = ["logging.progress=false", "logging.plot=false"]
-
-
-def launch(repo_root: Path, run: Path, extra: list[str], fault: str = "", skip: str = "") -> int:
-    env = {
-        **os.environ,
-        "PYTHONWARNINGS": "ignore",
-        "ASYNCRL_FAULT": fault,
-        "ASYNCRL_TEST_SKIP_RESTORE": skip,
-    }
-    command = [sys.executable, "-m", "asyncrl.cli", "train", str(repo_root / "configs/demo.yaml")]
-    done = subprocess.run(
-        [*command, "--run-dir", str(run), *extra, *QUIET],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    return done.returncode
 
 
 def regenerated(run: Path, attempt: int, saved: dict) -> list[str]:
@@ -65,19 +44,17 @@ def regenerated(run: Path, attempt: int, saved: dict) -> list[str]:
     return found
 
 
-def crash_and_finish(
-    repo_root: Path, run: Path, extra: list[str], points: tuple[int, ...], skip: str = ""
-) -> list:
+def crash_and_finish(run: Path, extra: list[str], points: tuple[int, ...], skip: str = "") -> list:
     """Kills the run mid-chunk once per decode step count in `points`, resuming each time,
     then runs it to the end; returns, per resumed attempt, what its checkpoint held."""
     resumed = []
     for attempt, point in enumerate(points):
-        code = launch(repo_root, run, extra, fault=f"engine.decode_step:{point}", skip=skip)
+        code = train(run, *extra, fault=f"engine.decode_step:{point}", skip=skip)
         assert code == -9, f"attempt {attempt}: the kill at decode step {point} never fired"
         info = inspect_run_dir(run)
         assert info["checkpoint"] is not None, f"attempt {attempt}: killed before a checkpoint"
         resumed.append((attempt + 1, info))
-    assert launch(repo_root, run, extra, skip=skip) == 0
+    assert train(run, *extra, skip=skip) == 0
     return resumed
 
 
@@ -88,10 +65,10 @@ def long_shape(tmp_path: Path) -> list[str]:
 
 
 def test_killed_mid_chunk_three_times_no_checkpointed_token_is_generated_again(
-    tmp_path, repo_root, long_shape
+    tmp_path, long_shape
 ):
     run = tmp_path / "run"
-    resumed = crash_and_finish(repo_root, run, long_shape, (450, 400, 350))
+    resumed = crash_and_finish(run, long_shape, (450, 400, 350))
     # the kills landed where there was partial work to keep: unfinished samples with tokens,
     # and finished samples of groups still in flight
     samples = [s for _, info in resumed for s in info["partial_samples"].values()]
@@ -110,10 +87,10 @@ def test_killed_mid_chunk_three_times_no_checkpointed_token_is_generated_again(
 
 
 def test_negative_control_a_resume_that_drops_the_partials_regenerates_saved_tokens(
-    tmp_path, repo_root, long_shape
+    tmp_path, long_shape
 ):
     run = tmp_path / "run"
-    resumed = crash_and_finish(repo_root, run, long_shape, (450,), skip="ledger.partial")
+    resumed = crash_and_finish(run, long_shape, (450,), skip="ledger.partial")
     found = [line for attempt, info in resumed for line in regenerated(run, attempt, info)]
     assert found, "the oracle saw nothing regenerated although no partial was restored"
 
@@ -127,14 +104,14 @@ def test_negative_control_a_resume_that_drops_the_partials_regenerates_saved_tok
     ids=["chunking-off", "mid-generation-updates-off"],
 )
 def test_a_checkpoint_with_partials_resumes_with_how_it_generates_changed(
-    tmp_path, repo_root, long_shape, before, after
+    tmp_path, long_shape, before, after
 ):
     # both may change on resume; the saved partials may then hold a weights version that is no
     # longer kept: they are finished on the newest, each token keeping its own version
     run, short = tmp_path / "run", [*long_shape, "run.max_num_steps=8"]
-    assert launch(repo_root, run, [*short, *before], fault="engine.decode_step:450") == -9
+    assert train(run, *short, *before, fault="engine.decode_step:450") == -9
     saved = inspect_run_dir(run)
     assert sum(saved["partial_tokens"].values()) > 0
-    assert launch(repo_root, run, [*short, *after]) == 0
+    assert train(run, *short, *after) == 0
     assert regenerated(run, 1, saved) == []
     assert audit_run_dir(run).ok

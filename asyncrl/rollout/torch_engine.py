@@ -176,7 +176,6 @@ class TorchGenerationEngine:
             torch.arange(len(requests)), torch.tensor([r.num_samples for r in requests])
         )
         sample_of = torch.cat([torch.arange(r.num_samples) for r in requests])
-        keep = {"logits_to_keep": 1} if self._keeps_logits else {}
         carry, self._carry = self._carry, None  # used at most once
         if continued:
             kept = self._from_carry(carry, requests, rows, request_of, sample_of)
@@ -188,19 +187,20 @@ class TorchGenerationEngine:
                 prefix = list(r.prefixes[int(sample_of[row])]) if r.prefixes else []
                 inputs.append(list(r.prompt_ids) + prefix)
                 offsets.append(len(prefix))
-            input_ids, attention = (t.to(self.device) for t in left_pad(inputs, self.pad_id))
-            positions = position_ids(attention)
-            out = self._model(
-                input_ids=input_ids,
-                attention_mask=attention,
-                position_ids=positions,
-                use_cache=True,
-                **keep,
-            )
+            out, attention, positions = self._run_prefill(inputs)
             return out, attention, positions, torch.tensor(offsets, dtype=torch.int64)
-        prompts = [r.prompt_ids for r in requests]
-        input_ids, attention = (t.to(self.device) for t in left_pad(prompts, self.pad_id))
+        out, attention, positions = self._run_prefill([r.prompt_ids for r in requests])
+        index = request_of[rows].to(self.device)
+        out.past_key_values.batch_select_indices(index)
+        out.logits = out.logits[index]
+        return out, attention[index], positions[index], torch.zeros(len(rows), dtype=torch.int64)
+
+    def _run_prefill(self, inputs: list[list[int]]) -> tuple[Any, torch.Tensor, torch.Tensor]:
+        """One left-padded forward pass over `inputs` with a KV cache, keeping only the last
+        position's logits where the model allows it."""
+        input_ids, attention = (t.to(self.device) for t in left_pad(inputs, self.pad_id))
         positions = position_ids(attention)
+        keep = {"logits_to_keep": 1} if self._keeps_logits else {}
         out = self._model(
             input_ids=input_ids,
             attention_mask=attention,
@@ -208,10 +208,7 @@ class TorchGenerationEngine:
             use_cache=True,
             **keep,
         )
-        index = request_of[rows].to(self.device)
-        out.past_key_values.batch_select_indices(index)
-        out.logits = out.logits[index]
-        return out, attention[index], positions[index], torch.zeros(len(rows), dtype=torch.int64)
+        return out, attention, positions
 
     def _from_carry(
         self,

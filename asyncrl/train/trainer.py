@@ -175,7 +175,7 @@ class Trainer:
             except CheckpointError as err:
                 raise CheckpointError(f"the checkpoint of step {snapshot.step}: {err}") from None
         ledger, buffer = self.parts.ledger, self.parts.buffer
-        tokens = tokens_per_group(buffer.state_dict())
+        tokens = tokens_per_group(snapshot.parts["buffer"])
         saved = ledger.saved(self.step, buffer.ordinals_and_targets(), tokens)
         self.continued = {k: (p.lengths, p.finished.tolist()) for k, p in ledger.partials.items()}
         plan = plan_resume(saved, self.config.checkpoint.resume_policy)
