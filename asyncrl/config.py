@@ -9,6 +9,7 @@ what is allowed.
 from __future__ import annotations
 
 import ast
+import collections
 import dataclasses
 import difflib
 import hashlib
@@ -124,6 +125,42 @@ def buffer_capacity(num_prompts_per_step: int, max_trajectory_age_steps: int) ->
 
 
 @dataclass
+class VLLMConfig:
+    """`rollout.vllm.*`: the vLLM engine's settings (used only with `rollout.engine=vllm`)."""
+
+    kv_cache_bytes: int = field(default=256 << 20, metadata=MAY_CHANGE_UNLESS_DETERMINISTIC)
+    """Bytes of KV cache vLLM allocates (`kv_cache_memory_bytes`). The CPU build needs it set;
+    0 on a GPU sizes it from `gpu_memory_utilization` instead."""
+    gpu_memory_utilization: float = field(default=0.5, metadata=MAY_CHANGE_UNLESS_DETERMINISTIC)
+    """With `kv_cache_bytes=0` on a GPU: the share of GPU memory vLLM may take (weights, cache
+    and activations); the trainer needs the rest when it shares the GPU."""
+    max_model_len: int = field(default=0, metadata=MAY_CHANGE_UNLESS_DETERMINISTIC)
+    """Longest prompt + completion vLLM schedules; 0 takes the model's
+    `max_position_embeddings` (lower it when the KV cache cannot hold one such sequence)."""
+    max_num_seqs: int = field(default=256, metadata=MAY_CHANGE_UNLESS_DETERMINISTIC)
+    """Sequences vLLM decodes together at most (its batch)."""
+    enforce_eager: bool = field(default=True, metadata=MAY_CHANGE_UNLESS_DETERMINISTIC)
+    """No CUDA graphs or `torch.compile`: start-up in seconds. On GPUs `false` decodes faster
+    after a longer start."""
+    enable_prefix_caching: bool = field(default=True, metadata=MAY_CHANGE_UNLESS_DETERMINISTIC)
+    """Reuse the KV cache of prompts seen before (reset at every weights update)."""
+    multiprocessing: bool = field(default=False, metadata=MAY_CHANGE_UNLESS_DETERMINISTIC)
+    """Run vLLM's engine core in a process of its own (vLLM's default; ~15 s start-up on CPU)
+    instead of in the generation thread (~2 s; as TRL's colocated mode)."""
+
+    def validate(self) -> None:
+        for key in ("kv_cache_bytes", "max_model_len"):
+            _require(getattr(self, key) >= 0, f"rollout.vllm.{key}", getattr(self, key), ">= 0")
+        _require(self.max_num_seqs >= 1, "rollout.vllm.max_num_seqs", self.max_num_seqs, ">= 1")
+        _require(
+            0 < self.gpu_memory_utilization <= 1,
+            "rollout.vllm.gpu_memory_utilization",
+            self.gpu_memory_utilization,
+            "in (0, 1]",
+        )
+
+
+@dataclass
 class RolloutConfig:
     num_prompts_per_step: int = field(default=16, metadata=NEVER_CHANGES)
     """N: prompt groups trained per optimizer step."""
@@ -154,10 +191,10 @@ class RolloutConfig:
     not keep generating on old ones; a group's tokens may then come from several versions
     (each token's own behaviour log-prob and version travel with it; the oldest token stays
     within A). Off: a sample keeps the version its batch started with."""
-    engine: Literal["torch"] = "torch"
+    engine: Literal["torch", "vllm"] = "torch"
     """Which engine generates: `torch` is asyncrl's own batched sampler with a KV cache over the
     Hugging Face model (pinned weights versions and per-request noise: deterministic mode works
-    with it)."""
+    with it); `vllm` is vLLM (`rollout.vllm.*`; not in deterministic mode)."""
     backend: Literal["threads", "ray"] = field(
         default="threads", metadata=MAY_CHANGE_UNLESS_DETERMINISTIC
     )
@@ -170,6 +207,8 @@ class RolloutConfig:
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     """The engine's weights and compute: the trainer's fp32 weights are cast to it when they
     are published (the engine then holds them in this dtype only)."""
+    vllm: VLLMConfig = field(default_factory=VLLMConfig)
+    """The vLLM engine's settings, `rollout.vllm.*`."""
 
     @property
     def buffer_capacity(self) -> int:
@@ -203,6 +242,7 @@ class RolloutConfig:
             "false unless rollout.chunk_tokens > 0 (weights change only between chunks)",
         )
         _check_device("rollout.device", self.device)
+        self.vllm.validate()
         _require(
             self.max_trajectory_age_steps >= 0,
             "rollout.max_trajectory_age_steps",
@@ -452,13 +492,30 @@ SECTIONS: dict[str, type] = dict(typing.get_type_hints(Config))
 
 def key_fields() -> dict[str, dataclasses.Field[Any]]:
     """`section.key` -> its dataclass field, for every key, in declaration order (the
-    algorithm's own keys after `algo`'s shared ones)."""
+    algorithm's own keys after `algo`'s shared ones; a subsection's as `section.sub.key`)."""
     out: dict[str, dataclasses.Field[Any]] = {}
     for name, cls in SECTIONS.items():
         if cls is AlgoConfig:
             out.update({f"algo.{f.name}": f for _, f, _ in _algo_fields()})
         else:
-            out.update({f"{name}.{f.name}": f for f in dataclasses.fields(cls)})
+            out.update(_fields(name, cls))
+    return out
+
+
+def _subsection(cls: type, name: str) -> type | None:
+    """The dataclass a field of `cls` holds, if it is a subsection (`rollout.vllm`)."""
+    hint = typing.get_type_hints(cls).get(name)
+    return hint if dataclasses.is_dataclass(hint) and isinstance(hint, type) else None
+
+
+def _fields(prefix: str, cls: type) -> dict[str, dataclasses.Field[Any]]:
+    out: dict[str, dataclasses.Field[Any]] = {}
+    for f in dataclasses.fields(cls):
+        sub = _subsection(cls, f.name)
+        if sub is not None:
+            out.update(_fields(f"{prefix}.{f.name}", sub))
+        else:
+            out[f"{prefix}.{f.name}"] = f
     return out
 
 
@@ -479,21 +536,34 @@ def _default(key: str) -> Any:
     return found.default_factory() if callable(found.default_factory) else found.default
 
 
-def flatten(config: Config | dict[str, dict[str, Any]]) -> dict[str, Any]:
-    """`{"section.key": value}` for every key."""
+def flatten(config: Config | dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    """`{"section.key": value}` for every key (`section.sub.key` in a subsection)."""
     nested = config.to_dict() if isinstance(config, Config) else config
-    return {f"{s}.{k}": v for s, values in nested.items() for k, v in values.items()}
+    out: dict[str, Any] = {}
+    for name, value in nested.items():
+        if isinstance(value, dict):
+            out.update(flatten(value, f"{prefix}{name}."))
+        else:
+            out[f"{prefix}{name}"] = value
+    return out
 
 
 def semantic_differences(saved: dict[str, dict[str, Any]], now: Config) -> list[str]:
     """`key: checkpoint=X, now=Y` for every semantics-bearing key that differs. A key the
-    checkpoint's config predates counts as its default there."""
+    checkpoint's config predates counts as its default there (the default of the checkpoint's
+    algorithm, for an `algo.*` key two algorithms both have)."""
     before, after = flatten(saved), flatten(now)
+    algo = before.get("algo.name", AlgoConfig.name)
+    defaults = flatten(build_config({"algo": {"name": algo}})) if algo in algorithm_names() else {}
     benign = _benign_keys(bool(before.get("run.deterministic")))
+
+    def saved_value(key: str) -> Any:
+        return before[key] if key in before else defaults.get(key, _default(key))
+
     return [
-        f"{key}: checkpoint={before.get(key, _default(key))!r}, now={after[key]!r}"
+        f"{key}: checkpoint={saved_value(key)!r}, now={after[key]!r}"
         for key in after
-        if key not in benign and before.get(key, _default(key)) != after[key]
+        if key not in benign and saved_value(key) != after[key]
     ]
 
 
@@ -593,23 +663,39 @@ def build_config(raw: dict[str, Any], overrides: Sequence[str] = ()) -> Config:
             raise ConfigError(f"override {item!r} must look like section.key=value")
         if section not in SECTIONS:
             raise _unknown(key, config_keys())
-        merged.setdefault(section, {})[name] = yaml.safe_load(text) if text else ""
+        target = merged.setdefault(section, {})
+        *subs, name = name.split(".")
+        for sub in subs:  # rollout.vllm.kv_cache_bytes=...
+            target = target.setdefault(sub, {})
+            if not isinstance(target, dict):
+                raise _unknown(key, config_keys())
+        target[name] = yaml.safe_load(text) if text else ""
     kwargs: dict[str, Any] = {}
     for section, cls in SECTIONS.items():
         if cls is AlgoConfig:
             kwargs[section] = _build_algo(merged.get(section, {}))
             continue
-        hints = typing.get_type_hints(cls)
-        values = {}
-        for name, value in merged.get(section, {}).items():
-            key = f"{section}.{name}"
-            if name not in hints:
-                raise _unknown(key, config_keys())
-            values[name] = _coerce(key, value, hints[name])
-        kwargs[section] = cls(**values)
+        kwargs[section] = _build_section(section, cls, merged.get(section, {}))
     config = Config(**kwargs)
     config.validate()
     return config
+
+
+def _build_section(prefix: str, cls: type, raw: dict[str, Any]) -> Any:
+    hints = typing.get_type_hints(cls)
+    values = {}
+    for name, value in raw.items():
+        key = f"{prefix}.{name}"
+        if name not in hints:
+            raise _unknown(key, config_keys())
+        sub = _subsection(cls, name)
+        if sub is not None:
+            if not isinstance(value, dict):
+                raise ConfigError(f"{key}: must be a mapping of keys, got {value!r}")
+            values[name] = _build_section(key, sub, value)
+        else:
+            values[name] = _coerce(key, value, hints[name])
+    return cls(**values)
 
 
 def _build_algo(raw: dict[str, Any]) -> AlgoConfig:
@@ -667,14 +753,28 @@ def reference_markdown() -> str:
     defaults = Config().to_dict()
     for name, cls in SECTIONS.items():
         if cls is AlgoConfig:
-            for owner, f, owner_cls in _algo_fields():
+            fields_ = _algo_fields()
+            owners = collections.Counter(f.name for owner, f, _ in fields_ if owner)
+            for owner, f, owner_cls in fields_:
                 doc = field_docs(owner_cls).get(f.name, "")
-                shown = json.dumps(_default(f"algo.{f.name}"))
-                prefix = f"`{owner}` only: " if owner else ""
+                value = f.default_factory() if callable(f.default_factory) else f.default
+                shown = json.dumps(value)
+                alone = " only" if owners[f.name] == 1 else ""
+                prefix = f"`{owner}`{alone}: " if owner else ""
                 rows.append(f"| `algo.{f.name}` | `{shown}` | {prefix}{doc} |")
             continue
-        docs = field_docs(cls)
-        for f in dataclasses.fields(cls):
-            shown = json.dumps(defaults[name][f.name])
-            rows.append(f"| `{name}.{f.name}` | `{shown}` | {docs.get(f.name, '')} |")
+        rows.extend(_reference_rows(name, cls, defaults[name]))
     return "\n".join(rows)
+
+
+def _reference_rows(prefix: str, cls: type, defaults: dict[str, Any]) -> list[str]:
+    rows = []
+    docs = field_docs(cls)
+    for f in dataclasses.fields(cls):
+        sub = _subsection(cls, f.name)
+        if sub is not None:
+            rows.extend(_reference_rows(f"{prefix}.{f.name}", sub, defaults[f.name]))
+            continue
+        shown = json.dumps(defaults[f.name])
+        rows.append(f"| `{prefix}.{f.name}` | `{shown}` | {docs.get(f.name, '')} |")
+    return rows

@@ -8,6 +8,7 @@ from asyncrl.config import (
     SECTIONS,
     Config,
     ConfigError,
+    VLLMConfig,
     algorithm_names,
     build_config,
     config_keys,
@@ -66,7 +67,10 @@ def test_an_int_field_accepts_an_int_given_for_a_float():
         (["algo.name=ppo", "algo.tis_cap=0.5"], "algo.tis_cap: got 0.5, must be 0 or >= 1"),
         (["algo.name=ppo", "algo.num_minibatches=300"], "at most the N*G=256 samples of a step"),
         (["algo.name=rloo", "rollout.num_generations_per_prompt=1"], "algo.name=rloo needs >= 2"),
-        (["rollout.engine=vllm"], "rollout.engine: got 'vllm', allowed values: 'torch'"),
+        (["rollout.engine=sglang"], "got 'sglang', allowed values: 'torch', 'vllm'"),
+        (["rollout.vllm.kv_cache_byte=1"], "did you mean rollout.vllm.kv_cache_bytes"),
+        (["rollout.vllm.max_num_seqs=0"], "rollout.vllm.max_num_seqs: got 0, must be >= 1"),
+        (["algo.tis_cap=0.5"], "algo.tis_cap: got 0.5, must be 0 (off) or >= 1"),
         (["rollout.num_prompts_per_step=0"], "rollout.num_prompts_per_step: got 0, must be >= 1"),
         (["rollout.num_prompts_per_step=2.5"], "expected int"),
         (["rollout.temperature=hot"], "rollout.temperature: got 'hot'"),
@@ -110,6 +114,7 @@ def test_errors_in_a_file_name_the_file(tmp_path):
 
 def test_every_config_field_has_a_docstring():
     classes = {**SECTIONS, **{f"algo.name={n}": options_class(n) for n in algorithm_names()}}
+    classes["rollout.vllm"] = VLLMConfig
     for name, cls in classes.items():
         docs = field_docs(cls)
         missing = [
