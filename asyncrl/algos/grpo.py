@@ -26,8 +26,14 @@ from asyncrl.algos.update import (
     stack_groups,
     to_device,
 )
+from asyncrl.config import ConfigError
 from asyncrl.core.advantages import scaled_group_advantages
-from asyncrl.core.losses import ClippedPolicyLoss, loss_weights
+from asyncrl.core.losses import (
+    ClippedPolicyLoss,
+    loss_weights,
+    mismatch_stats,
+    truncated_is_weights,
+)
 from asyncrl.core.types import Group
 from asyncrl.models.device import autocast, model_device
 
@@ -42,9 +48,20 @@ class GRPOOptions:
     """What a sample's advantage `r - mean(group)` is divided by: `group` the std of its
     group's rewards (GRPO), `batch` the std of the step's rewards, `none` nothing (Dr. GRPO;
     a group with little spread then weighs little instead of as much as any other)."""
+    tis_cap: float = 0.0
+    """0: the clipped ratio is taken against the behaviour log-probs (it corrects the weights
+    lag; GRPO as published). >= 1: the engine/trainer mismatch correction of Yao et al. 2025
+    (for `rollout.engine=vllm`, whose log-probs are not the trainer's): the ratio is taken
+    against the trainer's own log-probs before the step, and each token's loss is weighted by
+    `min(pi_trainer / pi_behaviour, tis_cap)`, as `ppo` does."""
 
     def validate(self, config: Config) -> None:
-        return None
+        validate_tis_cap(self.tis_cap)
+
+
+def validate_tis_cap(cap: float) -> None:
+    if not (cap == 0 or cap >= 1):
+        raise ConfigError(f"algo.tis_cap: got {cap!r}, must be 0 (off) or >= 1")
 
 
 class GRPO:
@@ -84,6 +101,8 @@ class GRPO:
         self.model.train()
         self.optimizer.zero_grad(set_to_none=True)
         loss_total, stats = 0.0, StepStats()
+        tis_cap = getattr(self.config.options, "tis_cap", 0.0)
+        trainer_logprobs = []
         for rows in micro_batches(len(mask), self.micro_batch_size):
             part = select(batch, rows)
             part_mask = part["completion_mask"]
@@ -101,11 +120,20 @@ class GRPO:
                     entropy_grad=self.config.entropy_coef > 0,
                     shared_prompts=self.shared_prompts,
                 )
+            trainer_logprobs.append(logprobs.detach())
+            anchor, is_weights = part["behaviour_logprobs"], None
+            is_stats: dict[str, float] = {}
+            if tis_cap > 0:  # the weights are those before the step until apply_gradients
+                anchor = logprobs.detach()
+                is_weights, is_stats = truncated_is_weights(
+                    anchor, part["behaviour_logprobs"], part_mask, tis_cap
+                )
             loss, loss_stats = self.loss_fn(
                 logprobs,
-                part["behaviour_logprobs"],
+                anchor,
                 advantages[rows],
                 part_mask,
+                is_weights,
                 normaliser=normaliser,
                 token_weights=weights[rows],
             )
@@ -120,7 +148,7 @@ class GRPO:
                 weights[rows],
             )
             loss_total += backward(loss)
-            stats.add({**loss_stats, **extra}, float(part_mask.sum()))
+            stats.add({**loss_stats, **is_stats, **extra}, float(part_mask.sum()))
         grad_norm = apply_gradients(
             self.optimizer, self.model.parameters(), self.config.max_grad_norm
         )
@@ -134,6 +162,12 @@ class GRPO:
             "num_tokens": float(mask.sum()),
             "completion_len": float(mask.sum(1).float().mean()),
             **stats.result(),
+            **mismatch_stats(
+                torch.cat(trainer_logprobs),
+                batch["behaviour_logprobs"],
+                mask,
+                batch["token_versions"] == step,  # the trainer holds version `step`
+            ),
         }
 
     def policy_weights(self) -> dict[str, torch.Tensor]:

@@ -48,6 +48,7 @@ from asyncrl.core.losses import (
     kl_estimate,
     loss_weights,
     masked_mean,
+    mismatch_stats,
     normaliser_of,
     truncated_is_weights,
 )
@@ -343,4 +344,7 @@ class PPO:
             "explained_variance": explained_variance(old_values, returns, mask),
             "policy_updated": float(train_policy),
             **is_stats,
+            **mismatch_stats(
+                old_logprobs, batch["behaviour_logprobs"], mask, batch["token_versions"] == step
+            ),
         }

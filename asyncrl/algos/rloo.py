@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, ClassVar
 
 import torch
 
-from asyncrl.algos.grpo import GRPO
+from asyncrl.algos.grpo import GRPO, validate_tis_cap
 from asyncrl.config import ConfigError
 
 if TYPE_CHECKING:
@@ -36,9 +36,14 @@ def leave_one_out_advantages(rewards: torch.Tensor) -> torch.Tensor:
 
 @dataclass
 class RLOOOptions:
-    """RLOO has no keys of its own; it needs two samples per prompt at least."""
+    """RLOO needs two samples per prompt at least."""
+
+    tis_cap: float = 0.0
+    """As GRPO's: 0 takes the clipped ratio against the behaviour log-probs; >= 1 corrects the
+    engine/trainer mismatch with truncated importance weights (Yao et al. 2025)."""
 
     def validate(self, config: Config) -> None:
+        validate_tis_cap(self.tis_cap)
         g = config.rollout.num_generations_per_prompt
         if g < 2:
             raise ConfigError(

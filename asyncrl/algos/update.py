@@ -28,11 +28,20 @@ def pad_right(tensors: list[torch.Tensor], width: int, value: float | bool) -> t
     return torch.cat(padded, dim=0)
 
 
+def token_versions(group: Group) -> torch.Tensor:
+    """[G, T]: the weights version that sampled each token (-1 where masked)."""
+    if group.token_versions is not None:
+        return group.token_versions
+    versions = torch.full(group.completion_ids.shape, group.version_max, dtype=torch.long)
+    return versions.masked_fill(~group.completion_mask.bool(), -1)
+
+
 def stack_groups(groups: list[Group], pad_id: int) -> dict[str, Any]:
-    """The step's samples as one batch: prompts (list of B rows), completion ids, mask and
-    behaviour log-probs [B, T], rewards [N, G]."""
+    """The step's samples as one batch: prompts (list of B rows), completion ids, mask,
+    behaviour log-probs and token versions [B, T], rewards [N, G]."""
     width = max(g.completion_ids.shape[1] for g in groups)
     return {
+        "token_versions": pad_right([token_versions(g) for g in groups], width, -1),
         "prompts": [g.prompt_ids for g in groups for _ in range(g.num_generations)],
         "completion_ids": pad_right([g.completion_ids for g in groups], width, pad_id),
         "completion_mask": pad_right([g.completion_mask for g in groups], width, False),

@@ -175,6 +175,33 @@ def truncated_is_weights(
     return weights, stats
 
 
+def mismatch_stats(
+    trainer_logprobs: torch.Tensor,
+    behaviour_logprobs: torch.Tensor,
+    mask: torch.Tensor,
+    same_weights: torch.Tensor,
+) -> dict[str, float]:
+    """How far the engine's log-probs are from the trainer's, per step.
+
+    `offpolicy_kl`: KL(behaviour || trainer now) over every real token, estimated with k3 from
+    the behaviour samples (what the importance weights correct: the engine/trainer mismatch
+    and the weights lag of async generation together). `mismatch_kl` and
+    `mismatch_max_abs_diff` (the largest |Δ log-prob|): the same over the tokens sampled with
+    the very weights the trainer holds (`same_weights`), where only the engine differs; absent
+    when the step has none (with A >= 1, most tokens come from older weights)."""
+    with torch.no_grad():
+        delta = (trainer_logprobs - behaviour_logprobs).float()
+        k3 = torch.exp(delta) - delta - 1.0
+        real = mask.bool()
+        stats = {"offpolicy_kl": float(masked_mean(k3, real))}
+        same = real & same_weights
+        stats["mismatch_tokens"] = float(same.sum())
+        if bool(same.any()):
+            stats["mismatch_kl"] = float(k3[same].mean())
+            stats["mismatch_max_abs_diff"] = float(delta[same].abs().max())
+    return stats
+
+
 def explained_variance(values: torch.Tensor, returns: torch.Tensor, mask: torch.Tensor) -> float:
     """`1 - Var(R - V) / Var(R)` over real tokens: 1 is a perfect critic, 0 one no better than
     the mean return, negative one worse than that."""
