@@ -550,20 +550,13 @@ def flatten(config: Config | dict[str, Any], prefix: str = "") -> dict[str, Any]
 
 def semantic_differences(saved: dict[str, dict[str, Any]], now: Config) -> list[str]:
     """`key: checkpoint=X, now=Y` for every semantics-bearing key that differs. A key the
-    checkpoint's config predates counts as its default there (the default of the checkpoint's
-    algorithm, for an `algo.*` key two algorithms both have)."""
+    checkpoint's config predates counts as its default there."""
     before, after = flatten(saved), flatten(now)
-    algo = before.get("algo.name", AlgoConfig.name)
-    defaults = flatten(build_config({"algo": {"name": algo}})) if algo in algorithm_names() else {}
     benign = _benign_keys(bool(before.get("run.deterministic")))
-
-    def saved_value(key: str) -> Any:
-        return before[key] if key in before else defaults.get(key, _default(key))
-
     return [
-        f"{key}: checkpoint={saved_value(key)!r}, now={after[key]!r}"
+        f"{key}: checkpoint={before.get(key, _default(key))!r}, now={after[key]!r}"
         for key in after
-        if key not in benign and saved_value(key) != after[key]
+        if key not in benign and before.get(key, _default(key)) != after[key]
     ]
 
 
@@ -757,9 +750,8 @@ def reference_markdown() -> str:
             owners = collections.Counter(f.name for owner, f, _ in fields_ if owner)
             for owner, f, owner_cls in fields_:
                 doc = field_docs(owner_cls).get(f.name, "")
-                value = f.default_factory() if callable(f.default_factory) else f.default
-                shown = json.dumps(value)
-                alone = " only" if owners[f.name] == 1 else ""
+                shown = json.dumps(_default(f"algo.{f.name}"))
+                alone = " only" if owners[f.name] == 1 else ""  # else: one row per algorithm
                 prefix = f"`{owner}`{alone}: " if owner else ""
                 rows.append(f"| `algo.{f.name}` | `{shown}` | {prefix}{doc} |")
             continue

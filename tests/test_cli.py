@@ -37,11 +37,11 @@ FROZEN_CONFIG_KEYS = [
     "algo.adam_epsilon", "algo.loss_aggregation", "algo.max_grad_norm", "algo.clip_eps",
     "algo.kl_coef", "algo.kl_estimator", "algo.entropy_coef",
     # the `grpo` algorithm's own keys (asyncrl/algos/grpo.py GRPOOptions)
-    "algo.scale_rewards", "algo.tis_cap",
+    "algo.scale_rewards", "algo.mismatch_tis_cap",
     # the `ppo` algorithm's own keys (asyncrl/algos/ppo.py PPOOptions)
     "algo.kl_in_reward", "algo.gamma",
     "algo.lam", "algo.normalize_advantages", "algo.ppo_epochs", "algo.num_minibatches",
-    "algo.critic_lr", "algo.value_clip_eps", "algo.critic_warmup_steps",
+    "algo.critic_lr", "algo.value_clip_eps", "algo.critic_warmup_steps", "algo.tis_cap",
     "checkpoint.save_period", "checkpoint.keep_last", "checkpoint.resume_policy",
     "checkpoint.staging_buffer",
     "logging.progress", "logging.tensorboard", "logging.plot",

@@ -70,7 +70,7 @@ def test_an_int_field_accepts_an_int_given_for_a_float():
         (["rollout.engine=sglang"], "got 'sglang', allowed values: 'torch', 'vllm'"),
         (["rollout.vllm.kv_cache_byte=1"], "did you mean rollout.vllm.kv_cache_bytes"),
         (["rollout.vllm.max_num_seqs=0"], "rollout.vllm.max_num_seqs: got 0, must be >= 1"),
-        (["algo.tis_cap=0.5"], "algo.tis_cap: got 0.5, must be 0 (off) or >= 1"),
+        (["algo.mismatch_tis_cap=0.5"], "algo.mismatch_tis_cap: got 0.5, must be 0 (off) or >= 1"),
         (["rollout.num_prompts_per_step=0"], "rollout.num_prompts_per_step: got 0, must be >= 1"),
         (["rollout.num_prompts_per_step=2.5"], "expected int"),
         (["rollout.temperature=hot"], "rollout.temperature: got 'hot'"),

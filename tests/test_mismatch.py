@@ -1,5 +1,5 @@
 """Engine/trainer mismatch: the per-step metrics on a hand-computed case, and the truncated
-importance weights of GRPO and RLOO (`algo.tis_cap`) checked against their definition.
+importance weights of GRPO and RLOO (`algo.mismatch_tis_cap`) checked against their definition.
 
 Oracle for the correction: with behaviour log-probs equal to the trainer's own, the gradient
 is G0 (ratio 1, nothing clipped). Behaviour log-probs lower by d on every token make each
@@ -102,11 +102,12 @@ def test_truncated_importance_weights_scale_the_gradient_as_defined(name, groups
     g0, _ = gradient((f"algo.name={name}",), groups)
     assert float(g0.norm()) > 0
     untruncated, metrics = gradient(
-        (f"algo.name={name}", "algo.tis_cap=10"), shifted(groups, SHIFT)
+        (f"algo.name={name}", "algo.mismatch_tis_cap=10"), shifted(groups, SHIFT)
     )
     assert relative(untruncated, math.exp(SHIFT) * g0) < 1e-5
     assert metrics["is_ratio_mean"] == pytest.approx(math.exp(SHIFT), rel=1e-5)
-    truncated, metrics = gradient((f"algo.name={name}", "algo.tis_cap=1.2"), shifted(groups, SHIFT))
+    capped = (f"algo.name={name}", "algo.mismatch_tis_cap=1.2")
+    truncated, metrics = gradient(capped, shifted(groups, SHIFT))
     assert relative(truncated, 1.2 * g0) < 1e-5
     assert metrics["is_truncated_frac"] == 1.0
     # the mismatch is reported: every token is 0.5 off (offpolicy_kl = k3(0.5))
@@ -114,8 +115,9 @@ def test_truncated_importance_weights_scale_the_gradient_as_defined(name, groups
 
 
 def test_without_the_correction_grpo_clips_the_mismatched_tokens(groups):
-    """Negative control: `tis_cap=0` (the ratio against the behaviour log-probs) with the same
-    mismatch clips every positive-advantage token; the gradient is neither G0 nor scaled."""
+    """Negative control: `mismatch_tis_cap=0` (the ratio against the behaviour log-probs)
+    with the same mismatch clips every positive-advantage token; the gradient is neither G0
+    nor scaled."""
     g0, _ = gradient(("algo.name=grpo",), groups)
     plain, metrics = gradient(("algo.name=grpo",), shifted(groups, SHIFT))
     assert metrics["clip_frac"] > 0.2

@@ -77,7 +77,7 @@ def test_logprobs_match_the_trainer_before_and_after_a_weight_update(policy, eng
     pinned = engine.generate(requests, version=0)
     assert all(o.weights_version == 0 for o in pinned)
     assert max_gap(policy.model, prompts, pinned) <= 1e-4
-    assert engine.metrics()["weight_updates"] == 3
+    assert engine.metrics()["engine_weight_updates"] == 3
 
 
 def test_the_same_seed_samples_the_same_tokens_in_another_batch(policy, engine):
@@ -117,7 +117,7 @@ def test_a_chunked_sample_is_continued_from_its_prefix(policy, engine):
     assert first.completion_ids.shape[1] <= 3
     prefixes = tuple(
         tuple(int(t) for t in ids[mask])
-        for ids, mask in zip(first.completion_ids, first.completion_mask)
+        for ids, mask in zip(first.completion_ids, first.completion_mask, strict=True)
     )
     finished = tuple(bool(f) for f in first.finished_rows())
     rest = engine.generate(
@@ -138,6 +138,6 @@ def test_a_chunked_sample_is_continued_from_its_prefix(policy, engine):
 
 
 def test_deterministic_mode_is_refused_at_start_with_the_reason():
-    with pytest.raises(ConfigError, match="batch invariant noise.*batch it lands in"):
+    with pytest.raises(ConfigError, match=r"batch invariant noise.*batch it lands in"):
         check_engine(small_config("rollout.engine=vllm", "run.deterministic=true"))
     check_engine(small_config("rollout.engine=vllm"))  # the same without determinism is fine

@@ -48,20 +48,21 @@ class GRPOOptions:
     """What a sample's advantage `r - mean(group)` is divided by: `group` the std of its
     group's rewards (GRPO), `batch` the std of the step's rewards, `none` nothing (Dr. GRPO;
     a group with little spread then weighs little instead of as much as any other)."""
-    tis_cap: float = 0.0
+    mismatch_tis_cap: float = 0.0
     """0: the clipped ratio is taken against the behaviour log-probs (it corrects the weights
     lag; GRPO as published). >= 1: the engine/trainer mismatch correction of Yao et al. 2025
     (for `rollout.engine=vllm`, whose log-probs are not the trainer's): the ratio is taken
     against the trainer's own log-probs before the step, and each token's loss is weighted by
-    `min(pi_trainer / pi_behaviour, tis_cap)`, as `ppo` does."""
+    `min(pi_trainer / pi_behaviour, mismatch_tis_cap)`, as `ppo` does with its `tis_cap` (a
+    name of its own here: 0 means off, not untruncated)."""
 
     def validate(self, config: Config) -> None:
-        validate_tis_cap(self.tis_cap)
+        validate_tis_cap(self.mismatch_tis_cap)
 
 
 def validate_tis_cap(cap: float) -> None:
     if not (cap == 0 or cap >= 1):
-        raise ConfigError(f"algo.tis_cap: got {cap!r}, must be 0 (off) or >= 1")
+        raise ConfigError(f"algo.mismatch_tis_cap: got {cap!r}, must be 0 (off) or >= 1")
 
 
 class GRPO:
@@ -101,7 +102,7 @@ class GRPO:
         self.model.train()
         self.optimizer.zero_grad(set_to_none=True)
         loss_total, stats = 0.0, StepStats()
-        tis_cap = getattr(self.config.options, "tis_cap", 0.0)
+        tis_cap = getattr(self.config.options, "mismatch_tis_cap", 0.0)
         trainer_logprobs = []
         for rows in micro_batches(len(mask), self.micro_batch_size):
             part = select(batch, rows)

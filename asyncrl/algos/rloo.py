@@ -38,12 +38,12 @@ def leave_one_out_advantages(rewards: torch.Tensor) -> torch.Tensor:
 class RLOOOptions:
     """RLOO needs two samples per prompt at least."""
 
-    tis_cap: float = 0.0
+    mismatch_tis_cap: float = 0.0
     """As GRPO's: 0 takes the clipped ratio against the behaviour log-probs; >= 1 corrects the
     engine/trainer mismatch with truncated importance weights (Yao et al. 2025)."""
 
     def validate(self, config: Config) -> None:
-        validate_tis_cap(self.tis_cap)
+        validate_tis_cap(self.mismatch_tis_cap)
         g = config.rollout.num_generations_per_prompt
         if g < 2:
             raise ConfigError(

@@ -23,6 +23,7 @@ a request's logits with the batch it lands in, so its samples are not batch-inva
 
 from __future__ import annotations
 
+import logging
 import os
 import shutil
 import tempfile
@@ -77,14 +78,19 @@ class VLLMGenerationEngine:
         self.temperature = spec.temperature
         self.weights = weights
         self._loaded: int | None = None
-        self._counters = {"weight_updates": 0.0, "weight_update_s": 0.0, "start_s": 0.0}
+        self._counters = {
+            "engine_weight_updates": 0.0,
+            "engine_weight_update_s": 0.0,
+            "engine_start_s": 0.0,
+        }
         started = time.perf_counter()
         self._dir = tempfile.mkdtemp(prefix="asyncrl-vllm-")
         weakref.finalize(self, shutil.rmtree, self._dir, ignore_errors=True)
         # the architecture and a first set of weights; the run's weights replace them
         spec.model.save_pretrained(self._dir, safe_serialization=True)
+        self._in_process = not options.get("multiprocessing")
         self.llm = _start_llm(self._dir, spec, options)
-        self._counters["start_s"] = time.perf_counter() - started
+        self._counters["engine_start_s"] = time.perf_counter() - started
 
     def metrics(self) -> dict[str, float]:
         return dict(self._counters)
@@ -98,14 +104,17 @@ class VLLMGenerationEngine:
                 raise RuntimeError(err.args[0]) from None
             started = time.perf_counter()
             self.load_weights(state)
-            self._counters["weight_updates"] += 1
-            self._counters["weight_update_s"] += time.perf_counter() - started
+            self._counters["engine_weight_updates"] += 1
+            self._counters["engine_weight_update_s"] += time.perf_counter() - started
             self._loaded = wanted
         return wanted
 
     def load_weights(self, state: dict[str, torch.Tensor]) -> None:
-        """Replaces vLLM's weights in place (HF names) and drops its prefix cache."""
-        items = [(name, tensor.detach().to("cpu")) for name, tensor in state.items()]
+        """Replaces vLLM's weights in place (HF names) and drops its prefix cache. In process
+        the sync's tensors are read where they are (a device-to-device copy on a GPU); vLLM's
+        engine process gets them serialised from the CPU."""
+        place = (lambda t: t) if self._in_process else (lambda t: t.to("cpu"))
+        items = [(name, place(tensor.detach())) for name, tensor in state.items()]
         self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": items})
         self.llm.reset_prefix_cache()
 
@@ -207,6 +216,7 @@ def _start_llm(path: str, spec: EngineSpec, options: dict[str, Any]) -> Any:
     engine's OpenMP threads are not pinned to cores (the trainer shares them), and the
     `torch.set_num_threads` that vLLM's CPU worker disables process-wide is given back."""
     with _INIT_LOCK:
+        os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")  # its INFO lines drown ours
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = (
             "1" if options.get("multiprocessing") else "0"
         )
@@ -237,6 +247,12 @@ def _start_llm(path: str, spec: EngineSpec, options: dict[str, Any]) -> Any:
         elif spec.device != "cpu":
             kwargs["gpu_memory_utilization"] = float(options.get("gpu_memory_utilization", 0.5))
         try:
-            return LLM(**kwargs)
+            llm = LLM(**kwargs)
         finally:
             torch.set_num_threads = set_num_threads
+        # each in-place reload warns that rotary embeddings got no weights: they have none to
+        # get (their cos/sin cache is computed, not loaded), and vLLM puts the cache back
+        logging.getLogger("vllm.model_executor.model_loader.reload.layerwise").setLevel(
+            logging.ERROR
+        )
+        return llm

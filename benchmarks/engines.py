@@ -1,0 +1,139 @@
+"""The generation engines side by side: asyncrl's torch engine and vLLM (the CPU build here),
+on the same requests, at three model sizes, on this machine, in one run.
+
+For each size (`demo`: the demo's tiny Llama; `25M` and `100M`: random-init Qwen2 models of
+about that many parameters, `asyncrl.models.scratch.shape_for`) and each engine, a fresh
+process builds the engine and reports
+
+    ENGINE SIZE: params=P start_s=S gen_tok/s=R update_ms=U publish_ms=B
+
+start_s: building the engine (vLLM: saving the model, `LLM()` start-up, in-process);
+gen_tok/s: generated tokens over the seconds of one `generate` call of 8 prompts x 8 samples
+of up to 64 new tokens (after one untimed warm-up call; temperature 1); update_ms: the engine
+taking a newly published weights version (torch: `load_state_dict(assign=True)` of the
+sync's copy; vLLM: `reload_weights` + `reset_prefix_cache`), median of 3; publish_ms: the
+weight sync's copy of the trainer's weights (the same for both engines). The last line gives
+vLLM / torch per size.
+
+    .venv/bin/python benchmarks/engines.py          # `make bench-engines`
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import time
+
+import torch
+
+SIZES = ["demo", "25M", "100M"]
+ENGINES = ["torch", "vllm"]
+PROMPTS, SAMPLES, PROMPT_LEN, NEW_TOKENS = 8, 8, 16, 64
+
+
+def build(size: str) -> tuple[torch.nn.Module, int, int]:
+    """(model, eos id, vocab size) of one benchmark size."""
+    if size == "demo":
+        from asyncrl.config import ModelConfig
+        from asyncrl.models.policy import build_tiny_policy
+
+        policy = build_tiny_policy(ModelConfig(max_seq_len=128), 0, "0123456789=")
+        return policy.model, policy.eos_id, len(policy.tokenizer)
+    from asyncrl.models.scratch import build_model, parse_count, shape_for
+
+    vocab = 512
+    shape = shape_for(parse_count(size), "qwen2", vocab)
+    return build_model("qwen2", shape, vocab, 128, 0, seed=0), 0, vocab
+
+
+def measure(engine_name: str, size: str) -> dict[str, float]:
+    from asyncrl.rollout.engine import EngineSpec, GenerationRequest, build_engine
+    from asyncrl.rollout.weight_sync import CopyWeightSync
+
+    torch.set_num_threads(2)
+    model, eos_id, vocab = build(size)
+    weights = CopyWeightSync()
+    started = time.perf_counter()
+    weights.publish(0, model.state_dict())
+    publish_ms = (time.perf_counter() - started) * 1e3
+    options = {"kv_cache_bytes": 512 << 20, "max_model_len": 128}
+    spec = EngineSpec(model, eos_id, eos_id, NEW_TOKENS, 1.0, options=options)
+    started = time.perf_counter()
+    engine = build_engine(engine_name, spec, weights)
+    start_s = time.perf_counter() - started
+    gen = torch.Generator().manual_seed(0)
+    requests = [
+        GenerationRequest(
+            torch.randint(1, vocab, (PROMPT_LEN,), generator=gen).tolist(), SAMPLES, 100 + i
+        )
+        for i in range(PROMPTS)
+    ]
+    engine.generate(requests[:2])  # warm-up: first-call allocations
+    started = time.perf_counter()
+    outputs = engine.generate(requests)
+    gen_s = time.perf_counter() - started
+    tokens = sum(int(o.completion_mask.sum()) for o in outputs)
+    updates = []
+    state = model.state_dict()
+    for version in (1, 2, 3):
+        weights.publish(version, {k: v + 1e-3 * version for k, v in state.items()})
+        started = time.perf_counter()
+        engine.generate(requests[:1], max_tokens=1)  # loads the new version, then 1 token
+        updates.append(time.perf_counter() - started)
+    one_token = time.perf_counter()
+    engine.generate(requests[:1], max_tokens=1)  # the same without a load
+    one_token_s = time.perf_counter() - one_token
+    return {
+        "params": sum(p.numel() for p in model.parameters()),
+        "start_s": start_s,
+        "gen_tok_s": tokens / gen_s,
+        "update_ms": max(0.0, statistics.median(updates) - one_token_s) * 1e3,
+        "publish_ms": publish_ms,
+    }
+
+
+def run_one(engine_name: str, size: str) -> dict[str, float]:
+    done = subprocess.run(
+        [sys.executable, __file__, "--one", engine_name, size],
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+    if done.returncode != 0:
+        raise SystemExit(f"{engine_name} {size} failed:\n{done.stderr[-3000:]}")
+    result: dict[str, float] = json.loads(done.stdout.strip().splitlines()[-1])
+    return result
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--sizes", nargs="*", default=SIZES)
+    parser.add_argument("--one", nargs=2, metavar=("ENGINE", "SIZE"), help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.one:
+        print(json.dumps(measure(*args.one)))
+        return
+    ratios = []
+    for size in args.sizes:
+        results = {}
+        for engine_name in ENGINES:
+            r = results[engine_name] = run_one(engine_name, size)
+            print(
+                f"{engine_name} {size}: params={r['params'] / 1e6:.2f}M start_s={r['start_s']:.2f}"
+                f" gen_tok/s={r['gen_tok_s']:.0f} update_ms={r['update_ms']:.1f}"
+                f" publish_ms={r['publish_ms']:.1f}",
+                flush=True,
+            )
+        ratio = results["vllm"]["gen_tok_s"] / results["torch"]["gen_tok_s"]
+        ratios.append(
+            f"{size} x{ratio:.2f} (update {results['vllm']['update_ms']:.0f} ms vs "
+            f"{results['torch']['update_ms']:.0f} ms)"
+        )
+    print("engines: vllm/torch gen_tok/s " + ", ".join(ratios))
+
+
+if __name__ == "__main__":
+    main()
