@@ -5,7 +5,7 @@ BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 RUN_DIR ?= runs/demo-$(shell date +%Y%m%d-%H%M%S)
 
-.PHONY: setup demo ppo-demo rloo-demo test lint bench bench-algos bench-ray bench-scale bench-reward chaos docs clean
+.PHONY: setup demo ppo-demo rloo-demo test lint bench bench-algos bench-ray bench-scale bench-reward bench-engines chaos docs clean
 
 setup: $(STAMP)
 
@@ -53,6 +53,9 @@ bench-scale: setup
 
 bench-reward: setup
 	$(BIN)/python benchmarks/time_to_reward.py
+
+bench-engines: setup
+	$(BIN)/python benchmarks/engines.py
 
 chaos: setup
 	$(BIN)/python benchmarks/chaos.py --trials 200

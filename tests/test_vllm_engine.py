@@ -3,7 +3,9 @@ log-probs against the trainer's forward pass of the same weights, before and aft
 weight update; seeds; EOS; continued samples; deterministic mode refused with the reason."""
 
 import os
+import random
 
+import numpy as np
 import pytest
 import torch
 from helpers import DIGITS, small_config
@@ -34,7 +36,25 @@ def engine(policy):
         policy.model, policy.eos_id, policy.pad_id, 8, 0.8,
         options={"kv_cache_bytes": 32 << 20, "max_num_seqs": 64},
     )  # fmt: skip
-    return VLLMGenerationEngine(spec, weights)
+    rng = (torch.get_rng_state(), random.getstate(), np.random.get_state()[1].copy())
+    engine = VLLMGenerationEngine(spec, weights)
+    STARTUP["rng_kept"] = (
+        torch.equal(rng[0], torch.get_rng_state())
+        and rng[1] == random.getstate()
+        and (rng[2] == np.random.get_state()[1]).all()
+    )
+    return engine
+
+
+STARTUP: dict[str, bool] = {}
+
+
+def test_starting_vllm_in_process_leaves_the_runs_random_state_alone(engine):
+    """vLLM seeds the global RNGs when it starts in the calling process; the engine puts the
+    run's back (torch, Python, NumPy)."""
+    assert STARTUP["rng_kept"]
+    torch.set_num_threads(1)  # and vLLM's no-op replacement was undone
+    assert torch.get_num_threads() == 1
 
 
 def encode(policy, text):

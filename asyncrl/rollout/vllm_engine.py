@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import logging
 import os
+import random
 import shutil
 import tempfile
 import threading
@@ -32,6 +33,7 @@ import time
 import weakref
 from typing import Any, ClassVar
 
+import numpy as np
 import torch
 
 from asyncrl.faults import fault_point
@@ -246,10 +248,14 @@ def _start_llm(path: str, spec: EngineSpec, options: dict[str, Any]) -> Any:
             kwargs["kv_cache_memory_bytes"] = int(options["kv_cache_bytes"])
         elif spec.device != "cpu":
             kwargs["gpu_memory_utilization"] = float(options.get("gpu_memory_utilization", 0.5))
-        try:
-            llm = LLM(**kwargs)
+        python_rng, numpy_rng = random.getstate(), np.random.get_state()
+        try:  # in process, vLLM seeds the global RNGs: the run's own must not change
+            with torch.random.fork_rng(devices=[]):
+                llm = LLM(**kwargs)
         finally:
             torch.set_num_threads = set_num_threads
+            random.setstate(python_rng)
+            np.random.set_state(numpy_rng)
         # each in-place reload warns that rotary embeddings got no weights: they have none to
         # get (their cos/sin cache is computed, not loaded), and vLLM puts the cache back
         logging.getLogger("vllm.model_executor.model_loader.reload.layerwise").setLevel(
