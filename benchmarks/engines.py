@@ -16,6 +16,12 @@ weight sync's copy of the trainer's weights (the same for both engines). The las
 vLLM / torch per size.
 
     .venv/bin/python benchmarks/engines.py          # `make bench-engines`
+
+`--learning STEPS` instead trains the demo config for STEPS steps three ways — the torch
+engine as the demo runs it, the torch engine with `algo.mismatch_tis_cap=2`, and vLLM with it
+(so the last two differ in the engine only) — and prints per run its wall seconds, the reward
+of the first and last 10% of steps and the mean `offpolicy_kl`, and writes the reward curves to
+one PNG (`--plot`, default `docs/img/vllm_vs_torch_reward.png`).
 """
 
 from __future__ import annotations
@@ -25,7 +31,9 @@ import json
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
+from pathlib import Path
 
 import torch
 
@@ -108,13 +116,69 @@ def run_one(engine_name: str, size: str) -> dict[str, float]:
     return result
 
 
+ROOT = Path(__file__).resolve().parents[1]
+LEARNING = {
+    "torch": ["rollout.engine=torch"],
+    "torch+tis": ["rollout.engine=torch", "algo.mismatch_tis_cap=2"],
+    "vllm+tis": ["rollout.engine=vllm", "algo.mismatch_tis_cap=2"],
+}
+
+
+def learning(steps: int, plot: Path) -> None:
+    """Both engines train the demo; one line each and the two reward curves in one PNG."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from asyncrl.train.records import latest_records, read_jsonl
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    with tempfile.TemporaryDirectory() as tmp:
+        for name, keys in LEARNING.items():
+            run = Path(tmp) / name
+            started = time.perf_counter()
+            subprocess.run(
+                [sys.executable, "-m", "asyncrl.cli", "train", str(ROOT / "configs/demo.yaml"),
+                 "--run-dir", str(run), f"run.max_num_steps={steps}", "logging.progress=false",
+                 "logging.plot=false", *keys],
+                check=True, capture_output=True,
+            )  # fmt: skip
+            wall = time.perf_counter() - started
+            records = latest_records(read_jsonl(run / "metrics.jsonl"))
+            rewards = [r["reward_mean"] for r in records]
+            tenth = max(1, steps // 10)
+            kl = statistics.mean(r["offpolicy_kl"] for r in records)
+            print(
+                f"learning {name}: steps={steps} wall_s={wall:.1f} reward first 10%="
+                f"{statistics.mean(rewards[:tenth]):.3f} last 10%="
+                f"{statistics.mean(rewards[-tenth:]):.3f} offpolicy_kl={kl:.4f}",
+                flush=True,
+            )
+            smooth = [statistics.mean(rewards[max(0, i - 19) : i + 1]) for i in range(steps)]
+            ax.plot(range(steps), smooth, label=" ".join(k.split(".")[-1] for k in keys))
+    ax.set_xlabel("step")
+    ax.set_ylabel("reward (20-step mean)")
+    ax.set_title("demo task, async GRPO (A=1), 2 CPU cores")
+    ax.legend()
+    fig.tight_layout()
+    plot.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(plot, dpi=100)
+    print(f"learning: curves in {plot}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--sizes", nargs="*", default=SIZES)
+    parser.add_argument("--learning", type=int, metavar="STEPS", default=0)
+    parser.add_argument("--plot", type=Path, default=ROOT / "docs/img/vllm_vs_torch_reward.png")
     parser.add_argument("--one", nargs=2, metavar=("ENGINE", "SIZE"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.one:
         print(json.dumps(measure(*args.one)))
+        return
+    if args.learning:
+        learning(args.learning, args.plot)
         return
     ratios = []
     for size in args.sizes:
