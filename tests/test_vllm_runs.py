@@ -48,15 +48,19 @@ def run_to_end(run: Path, *extra: str) -> None:
 @pytest.mark.parametrize("backend", ["threads", "ray"])
 def test_synchronous_training_sees_vllms_logprobs_as_its_own(tmp_path, backend):
     """A=0: every token of step t was sampled by version t, the weights the trainer holds, so
-    the measured mismatch is the engine's alone: fp32, at most 1e-4 per token. On Ray, vLLM
-    runs inside the worker actor and gets each version through the object store."""
+    the measured mismatch is the engine's alone: fp32, at most 1e-4 per token — which also
+    shows each step's weights reached vLLM. On threads, vLLM's engine core runs in a process
+    of its own (`rollout.vllm.multiprocessing`: weights go through a file); on Ray, vLLM runs
+    in process inside the worker actor and gets each version through the object store. (The
+    in-process engine on threads is the one the other tests use.)"""
     run = tmp_path / backend
-    steps = 5 if backend == "threads" else 3
+    steps = 4 if backend == "threads" else 3
     run_to_end(
         run,
         f"run.max_num_steps={steps}",
         "rollout.max_trajectory_age_steps=0",
         f"rollout.backend={backend}",
+        f"rollout.vllm.multiprocessing={backend == 'threads'}",
         "ray.num_cpus_per_worker=0",
     )
     records = read_records(run / "metrics.jsonl")

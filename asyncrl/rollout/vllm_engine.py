@@ -113,11 +113,19 @@ class VLLMGenerationEngine:
 
     def load_weights(self, state: dict[str, torch.Tensor]) -> None:
         """Replaces vLLM's weights in place (HF names) and drops its prefix cache. In process
-        the sync's tensors are read where they are (a device-to-device copy on a GPU); vLLM's
-        engine process gets them serialised from the CPU."""
-        place = (lambda t: t) if self._in_process else (lambda t: t.to("cpu"))
-        items = [(name, place(tensor.detach())) for name, tensor in state.items()]
-        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": items})
+        the sync's tensors are read where they are (a device-to-device copy on a GPU). vLLM's
+        own engine process (`multiprocessing`) cannot be sent tensors through
+        `collective_rpc`'s arguments: it reloads them from a safetensors file in the engine's
+        private directory instead."""
+        if self._in_process:
+            items = [(name, tensor.detach()) for name, tensor in state.items()]
+            self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": items})
+        else:
+            from safetensors.torch import save_file
+
+            cpu = {k: v.detach().to("cpu").contiguous().clone() for k, v in state.items()}
+            save_file(cpu, os.path.join(self._dir, "model.safetensors"))
+            self.llm.collective_rpc("reload_weights", kwargs={"weights_path": self._dir})
         self.llm.reset_prefix_cache()
 
     def generate(
