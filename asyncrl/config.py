@@ -10,8 +10,10 @@ from __future__ import annotations
 
 import ast
 import collections
+import copy
 import dataclasses
 import difflib
+import functools
 import hashlib
 import inspect
 import itertools
@@ -126,27 +128,29 @@ def buffer_capacity(num_prompts_per_step: int, max_trajectory_age_steps: int) ->
 
 @dataclass
 class VLLMConfig:
-    """`rollout.vllm.*`: the vLLM engine's settings (used only with `rollout.engine=vllm`)."""
+    """`rollout.vllm.*`: the vLLM engine's settings (used only with `rollout.engine=vllm`, which
+    deterministic mode refuses: so they may change on any resume)."""
 
-    kv_cache_bytes: int = field(default=256 << 20, metadata=MAY_CHANGE_UNLESS_DETERMINISTIC)
+    kv_cache_bytes: int = field(default=256 << 20, metadata=MAY_CHANGE)
     """Bytes of KV cache vLLM allocates (`kv_cache_memory_bytes`). The CPU build needs it set;
     0 on a GPU sizes it from `gpu_memory_utilization` instead."""
-    gpu_memory_utilization: float = field(default=0.5, metadata=MAY_CHANGE_UNLESS_DETERMINISTIC)
+    gpu_memory_utilization: float = field(default=0.5, metadata=MAY_CHANGE)
     """With `kv_cache_bytes=0` on a GPU: the share of GPU memory vLLM may take (weights, cache
     and activations); the trainer needs the rest when it shares the GPU."""
-    max_model_len: int = field(default=0, metadata=MAY_CHANGE_UNLESS_DETERMINISTIC)
+    max_model_len: int = field(default=0, metadata=MAY_CHANGE)
     """Longest prompt + completion vLLM schedules; 0 takes the model's
     `max_position_embeddings` (lower it when the KV cache cannot hold one such sequence)."""
-    max_num_seqs: int = field(default=256, metadata=MAY_CHANGE_UNLESS_DETERMINISTIC)
+    max_num_seqs: int = field(default=256, metadata=MAY_CHANGE)
     """Sequences vLLM decodes together at most (its batch)."""
-    enforce_eager: bool = field(default=True, metadata=MAY_CHANGE_UNLESS_DETERMINISTIC)
+    enforce_eager: bool = field(default=True, metadata=MAY_CHANGE)
     """No CUDA graphs or `torch.compile`: start-up in seconds. On GPUs `false` decodes faster
     after a longer start."""
-    enable_prefix_caching: bool = field(default=True, metadata=MAY_CHANGE_UNLESS_DETERMINISTIC)
+    enable_prefix_caching: bool = field(default=True, metadata=MAY_CHANGE)
     """Reuse the KV cache of prompts seen before (reset at every weights update)."""
-    multiprocessing: bool = field(default=False, metadata=MAY_CHANGE_UNLESS_DETERMINISTIC)
-    """Run vLLM's engine core in a process of its own (vLLM's default; ~15 s start-up on CPU)
-    instead of in the generation thread (~2 s; as TRL's colocated mode)."""
+    multiprocessing: bool = field(default=False, metadata=MAY_CHANGE)
+    """Run vLLM's engine core in a process of its own (vLLM's default; ~15 s start-up on CPU;
+    each weights update then goes through a safetensors file) instead of in the generation
+    thread (~5 s; as TRL's colocated mode)."""
 
     def validate(self) -> None:
         for key in ("kv_cache_bytes", "max_model_len"):
@@ -243,6 +247,13 @@ class RolloutConfig:
         )
         _check_device("rollout.device", self.device)
         self.vllm.validate()
+        if self.engine == "vllm" and self.device == "cpu":
+            _require(
+                self.vllm.kv_cache_bytes > 0,
+                "rollout.vllm.kv_cache_bytes",
+                self.vllm.kv_cache_bytes,
+                "> 0 on rollout.device=cpu (vLLM's CPU build sizes nothing from free memory)",
+            )
         _require(
             self.max_trajectory_age_steps >= 0,
             "rollout.max_trajectory_age_steps",
@@ -490,6 +501,7 @@ SECTIONS: dict[str, type] = dict(typing.get_type_hints(Config))
 """Section name -> its dataclass, in declaration order."""
 
 
+@functools.cache
 def key_fields() -> dict[str, dataclasses.Field[Any]]:
     """`section.key` -> its dataclass field, for every key, in declaration order (the
     algorithm's own keys after `algo`'s shared ones; a subsection's as `section.sub.key`)."""
@@ -502,9 +514,14 @@ def key_fields() -> dict[str, dataclasses.Field[Any]]:
     return out
 
 
+@functools.cache
+def _hints(cls: type) -> dict[str, Any]:
+    return typing.get_type_hints(cls)
+
+
 def _subsection(cls: type, name: str) -> type | None:
     """The dataclass a field of `cls` holds, if it is a subsection (`rollout.vllm`)."""
-    hint = typing.get_type_hints(cls).get(name)
+    hint = _hints(cls).get(name)
     return hint if dataclasses.is_dataclass(hint) and isinstance(hint, type) else None
 
 
@@ -532,7 +549,10 @@ def _benign_keys(deterministic: bool) -> set[str]:
 
 
 def _default(key: str) -> Any:
-    found = key_fields()[key]
+    return _field_default(key_fields()[key])
+
+
+def _field_default(found: dataclasses.Field[Any]) -> Any:
     return found.default_factory() if callable(found.default_factory) else found.default
 
 
@@ -648,7 +668,7 @@ def build_config(raw: dict[str, Any], overrides: Sequence[str] = ()) -> Config:
             values = {}
         if not isinstance(values, dict):
             raise ConfigError(f"{section}: must be a mapping of keys, got {values!r}")
-        merged.setdefault(section, {}).update(values)
+        merged.setdefault(section, {}).update(copy.deepcopy(values))
     for item in overrides:
         key, sep, text = item.partition("=")
         section, dot, name = key.partition(".")
@@ -659,7 +679,9 @@ def build_config(raw: dict[str, Any], overrides: Sequence[str] = ()) -> Config:
         target = merged.setdefault(section, {})
         *subs, name = name.split(".")
         for sub in subs:  # rollout.vllm.kv_cache_bytes=...
-            target = target.setdefault(sub, {})
+            if target.get(sub) is None:
+                target[sub] = {}
+            target = target[sub]
             if not isinstance(target, dict):
                 raise _unknown(key, config_keys())
         target[name] = yaml.safe_load(text) if text else ""
@@ -683,6 +705,7 @@ def _build_section(prefix: str, cls: type, raw: dict[str, Any]) -> Any:
             raise _unknown(key, config_keys())
         sub = _subsection(cls, name)
         if sub is not None:
+            value = {} if value is None else value
             if not isinstance(value, dict):
                 raise ConfigError(f"{key}: must be a mapping of keys, got {value!r}")
             values[name] = _build_section(key, sub, value)
@@ -702,7 +725,10 @@ def _build_algo(raw: dict[str, Any]) -> AlgoConfig:
     shared = {k: v for k, v in typing.get_type_hints(AlgoConfig).items() if k != "options"}
     options_cls = options_class(name)
     own = typing.get_type_hints(options_cls)
-    owners = {f.name: owner for owner, f, _ in _algo_fields() if owner}
+    owners: dict[str, list[str]] = {}
+    for owner, f, _ in _algo_fields():
+        if owner:
+            owners.setdefault(f.name, []).append(owner)
     common: dict[str, Any] = {}
     options: dict[str, Any] = {}
     for key, value in raw.items():
@@ -711,9 +737,10 @@ def _build_algo(raw: dict[str, Any]) -> AlgoConfig:
         elif key in own:
             options[key] = _coerce(f"algo.{key}", value, own[key])
         elif key in owners:
+            owning = " or ".join(owners[key])
             raise ConfigError(
-                f"algo.{key}: a key of algo.name={owners[key]}, and this config has "
-                f"algo.name={name}; remove it, or set algo.name={owners[key]}"
+                f"algo.{key}: a key of algo.name={owning}, and this config has "
+                f"algo.name={name}; remove it, or set algo.name={owning}"
             )
         else:
             raise _unknown(f"algo.{key}", config_keys())
@@ -750,7 +777,7 @@ def reference_markdown() -> str:
             owners = collections.Counter(f.name for owner, f, _ in fields_ if owner)
             for owner, f, owner_cls in fields_:
                 doc = field_docs(owner_cls).get(f.name, "")
-                shown = json.dumps(_default(f"algo.{f.name}"))
+                shown = json.dumps(_field_default(f))
                 alone = " only" if owners[f.name] == 1 else ""  # else: one row per algorithm
                 prefix = f"`{owner}`{alone}: " if owner else ""
                 rows.append(f"| `algo.{f.name}` | `{shown}` | {prefix}{doc} |")

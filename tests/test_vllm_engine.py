@@ -32,6 +32,10 @@ def engine(policy):
 
     weights = CopyWeightSync(max_versions=2)
     weights.publish(0, policy.model.state_dict())
+    # an instruct model's generation config often lists more end tokens than the tokenizer's
+    # eos (Qwen2.5, Llama 3): asyncrl's samples must still end at eos only
+    extra_end = encode(policy, "1")[0]
+    policy.model.generation_config.eos_token_id = [policy.eos_id, extra_end]
     spec = EngineSpec(
         policy.model, policy.eos_id, policy.pad_id, 8, 0.8,
         options={"kv_cache_bytes": 32 << 20, "max_num_seqs": 64},
@@ -117,10 +121,12 @@ def test_eos_ends_a_sample_and_what_follows_is_padding(policy, engine):
     outputs = engine.generate(
         [GenerationRequest(encode(policy, "12345="), 16, noise_seed=s) for s in range(4)]
     )
-    ended = 0
+    ended, went_past_extra_end = 0, 0
+    extra_end = encode(policy, "1")[0]  # an end token of the generation config, not eos
     for out in outputs:
         for ids, mask in zip(out.completion_ids, out.completion_mask, strict=True):
             n = int(mask.sum())
+            went_past_extra_end += int(ids[: n - 1].eq(extra_end).any())
             assert mask[:n].all() and not mask[n:].any()  # one contiguous run from the start
             assert (ids[n:] == policy.pad_id).all()
             if n < 8:
@@ -129,6 +135,7 @@ def test_eos_ends_a_sample_and_what_follows_is_padding(policy, engine):
             assert int(ids[: n - 1].eq(policy.eos_id).sum()) == 0
         assert out.finished_rows().all()
     assert ended > 0  # the random-init model does sample EOS early sometimes
+    assert went_past_extra_end > 0
 
 
 def test_a_chunked_sample_is_continued_from_its_prefix(policy, engine):
@@ -140,13 +147,17 @@ def test_a_chunked_sample_is_continued_from_its_prefix(policy, engine):
         for ids, mask in zip(first.completion_ids, first.completion_mask, strict=True)
     )
     finished = tuple(bool(f) for f in first.finished_rows())
+    for i, prefix in enumerate(prefixes):  # finished: it ended at EOS within the chunk
+        assert finished[i] == (prefix[-1:] == (policy.eos_id,)), (prefix, finished)
+        assert finished[i] or len(prefix) == 3
+    assert not all(finished), "the test needs samples left to continue"
     rest = engine.generate(
         [GenerationRequest(prompt, 4, noise_seed=3, prefixes=prefixes, finished=finished)], 0
     )[0]
     assert rest.finished_rows().all()
     for i in range(4):
         new = int(rest.completion_mask[i].sum())
-        assert new == 0 if finished[i] else len(prefixes[i]) + new <= 8
+        assert new == 0 if finished[i] else new > 0 and len(prefixes[i]) + new <= 8
         if not finished[i] and new:  # the continuation's log-probs are the trainer's too
             ids = torch.tensor([list(prefixes[i]) + rest.completion_ids[i, :new].tolist()])
             full = trainer_logprobs(

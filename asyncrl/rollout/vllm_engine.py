@@ -23,6 +23,8 @@ a request's logits with the batch it lands in, so its samples are not batch-inva
 
 from __future__ import annotations
 
+import hashlib
+import json
 import logging
 import os
 import random
@@ -52,7 +54,8 @@ _INIT_LOCK = threading.Lock()
 def continued_seed(noise_seed: int, sample: int, done: int) -> int:
     """The seed of sample `sample` continued after `done` tokens: a function of the group's
     seed and the cut, so a continued sample draws the same noise wherever it is resumed."""
-    return (noise_seed * 1_000_003 + sample * 10_007 + done) % (1 << 63)
+    digest = hashlib.sha256(f"asyncrl-continued:{noise_seed}:{sample}:{done}".encode()).digest()
+    return int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)
 
 
 class VLLMGenerationEngine:
@@ -90,7 +93,18 @@ class VLLMGenerationEngine:
         weakref.finalize(self, shutil.rmtree, self._dir, ignore_errors=True)
         # the architecture and a first set of weights; the run's weights replace them
         spec.model.save_pretrained(self._dir, safe_serialization=True)
+        # vLLM stops on every eos id of the generation config (instruct models list several);
+        # asyncrl's samples end at `eos_id` only, as the torch engine's do
+        generation = {"eos_token_id": spec.eos_id, "pad_token_id": spec.pad_id}
+        with open(os.path.join(self._dir, "generation_config.json"), "w") as f:
+            json.dump(generation, f)
         self._in_process = not options.get("multiprocessing")
+        # reloads from a file (engine process) go to a folder of their own: a sharded first
+        # save's index would otherwise make vLLM read the first weights again
+        self._reload_dir = os.path.join(self._dir, "reload")
+        if not self._in_process:
+            os.makedirs(self._reload_dir)
+            shutil.copy(os.path.join(self._dir, "config.json"), self._reload_dir)
         self.llm = _start_llm(self._dir, spec, options)
         self._counters["engine_start_s"] = time.perf_counter() - started
 
@@ -105,6 +119,7 @@ class VLLMGenerationEngine:
             except KeyError as err:
                 raise RuntimeError(err.args[0]) from None
             started = time.perf_counter()
+            self._loaded = None  # a reload that fails halfway leaves no version loaded
             self.load_weights(state)
             self._counters["engine_weight_updates"] += 1
             self._counters["engine_weight_update_s"] += time.perf_counter() - started
@@ -124,9 +139,13 @@ class VLLMGenerationEngine:
             from safetensors.torch import save_file
 
             cpu = {k: v.detach().to("cpu").contiguous().clone() for k, v in state.items()}
-            save_file(cpu, os.path.join(self._dir, "model.safetensors"))
-            self.llm.collective_rpc("reload_weights", kwargs={"weights_path": self._dir})
-        self.llm.reset_prefix_cache()
+            save_file(cpu, os.path.join(self._reload_dir, "model.safetensors"))
+            self.llm.collective_rpc("reload_weights", kwargs={"weights_path": self._reload_dir})
+        if not self.llm.reset_prefix_cache():
+            raise RuntimeError(
+                "vLLM could not reset its prefix cache after a weights update (requests still "
+                "running): cached prefixes would give the old weights' log-probs"
+            )
 
     def generate(
         self,
@@ -176,9 +195,13 @@ class VLLMGenerationEngine:
                 ]
                 request = requests[index]
                 so_far = len(request.prefixes[sample]) if request.prefixes else 0
-                ended = bool(ids and ids[-1] == self.eos_id) or (
-                    so_far + len(ids) >= self.max_new_tokens
-                )
+                eos = bool(ids and ids[-1] == self.eos_id)
+                if completion.finish_reason == "stop" and not eos:
+                    raise RuntimeError(
+                        f"vLLM stopped a sample on token {ids[-1:]} (finish_reason=stop), not on "
+                        f"eos {self.eos_id}: its stop tokens are not asyncrl's"
+                    )
+                ended = eos or so_far + len(ids) >= self.max_new_tokens
                 per_request[index][sample] = (ids, logprobs, ended)
         return [
             self._output(request, per_request[i], done_before[i], version)
@@ -258,7 +281,8 @@ def _start_llm(path: str, spec: EngineSpec, options: dict[str, Any]) -> Any:
             kwargs["gpu_memory_utilization"] = float(options.get("gpu_memory_utilization", 0.5))
         python_rng, numpy_rng = random.getstate(), np.random.get_state()
         try:  # in process, vLLM seeds the global RNGs: the run's own must not change
-            with torch.random.fork_rng(devices=[]):
+            devices = [] if spec.device == "cpu" else [torch.device(spec.device).index or 0]
+            with torch.random.fork_rng(devices=devices):
                 llm = LLM(**kwargs)
         finally:
             torch.set_num_threads = set_num_threads
