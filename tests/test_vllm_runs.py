@@ -51,8 +51,9 @@ def test_synchronous_training_sees_vllms_logprobs_as_its_own(tmp_path, backend):
     the measured mismatch is the engine's alone: fp32, at most 1e-4 per token — which also
     shows each step's weights reached vLLM. On threads, vLLM's engine core runs in a process
     of its own (`rollout.vllm.multiprocessing`: weights go through a file); on Ray, vLLM runs
-    in process inside the worker actor and gets each version through the object store. (The
-    in-process engine on threads is the one the other tests use.)"""
+    in process inside the worker actor and gets each version through the object store, and
+    the workers' engine metrics reach the driver's step records. (The in-process engine on
+    threads is the one the other tests use.)"""
     run = tmp_path / backend
     steps = 4 if backend == "threads" else 3
     run_to_end(
@@ -70,6 +71,10 @@ def test_synchronous_training_sees_vllms_logprobs_as_its_own(tmp_path, backend):
         assert r["mismatch_max_abs_diff"] <= 1e-4, r
         assert r["mismatch_kl"] <= 1e-6
         assert r["generation_version_min"] == r["generation_version_max"] == r["step"]
+        # the engine's own metrics reach the step records (on Ray, summed over the workers):
+        # versions 0..step were each loaded into vLLM
+        assert r["engine_weight_updates"] >= r["step"] + 1, r
+        assert r["engine_start_s"] > 0
     assert audit_run_dir(run).ok
 
 

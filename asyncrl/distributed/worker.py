@@ -68,16 +68,18 @@ class GenerationWorker:
         version: int,
         weights: list[Any],
         max_tokens: int | None = None,
-    ) -> tuple[list[GenerationOutput], float]:
+    ) -> tuple[list[GenerationOutput], float, dict[str, float]]:
         """Generates with weights `version`, fetching them from the object store first if this
         worker does not have them (`weights` is `[ObjectRef]`, unresolved until needed).
-        Returns the outputs and the seconds spent fetching and loading weights."""
+        Returns the outputs, the seconds spent fetching and loading weights, and the engine's
+        own cumulative metrics."""
         fault_point("worker.generate")
         start = time.perf_counter()
         if not self.weights.has(version):
             self.weights.publish(version, from_numpy(ray.get(weights[0])))
         load_s = time.perf_counter() - start
-        return self.engine.generate(requests, version, max_tokens), load_s
+        outputs = self.engine.generate(requests, version, max_tokens)
+        return outputs, load_s, self.engine.metrics()
 
     def ready(self) -> bool:
         return True
@@ -114,11 +116,23 @@ class RayEngine:
         self.load_s = 0.0  # worker seconds spent fetching and loading weights
         self.workers_replaced = 0
         self._closed = False
+        # each worker's engine metrics as last reported, and those of workers since replaced
+        self._engine_metrics: list[dict[str, float]] = [{} for _ in range(num_workers)]
+        self._replaced_metrics: dict[str, float] = {}
 
     def metrics(self) -> dict[str, float]:
-        """Cumulative seconds workers spent fetching and loading weights, and workers replaced
-        after dying."""
-        return {"weights_load_s": self.load_s, "workers_replaced": self.workers_replaced}
+        """Cumulative seconds workers spent fetching and loading weights, workers replaced
+        after dying, and the workers' engine metrics summed over workers (replaced ones
+        included)."""
+        summed = dict(self._replaced_metrics)
+        for reported in self._engine_metrics:
+            for key, value in reported.items():
+                summed[key] = summed.get(key, 0.0) + value
+        return {
+            **summed,
+            "weights_load_s": self.load_s,
+            "workers_replaced": self.workers_replaced,
+        }
 
     def generate(
         self,
@@ -149,12 +163,13 @@ class RayEngine:
         dead = []
         for i, call in calls:
             try:
-                part, load_s = ray.get(call)
+                part, load_s, engine_metrics = ray.get(call)
             except RayActorError as err:
                 dead.append((i, err))
                 continue
             outputs.extend(part)
             self.load_s += load_s
+            self._engine_metrics[i] = engine_metrics
         if dead:
             with self._lock:
                 if self._closed:  # the run is ending and killed its workers: replace nothing
@@ -170,6 +185,9 @@ class RayEngine:
 
     def _replace(self, index: int) -> None:
         ray.kill(self.workers[index], no_restart=True)  # if only its process is gone
+        for key, value in self._engine_metrics[index].items():
+            self._replaced_metrics[key] = self._replaced_metrics.get(key, 0.0) + value
+        self._engine_metrics[index] = {}
         self._incarnations[index] += 1
         self.workers[index] = self._make_worker(index, self._incarnations[index])
         self.workers_replaced += 1

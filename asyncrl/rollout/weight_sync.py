@@ -89,7 +89,9 @@ class CopyWeightSync:
     """`backend=threads`: each version is a private copy (tied tensors stay tied), made
     directly on the engine's device and in its dtype, that the engine in this process takes
     as its weights (`load_state_dict(assign=True)`): the copy a version needs anyway is the
-    engine's model, so generation holds one set of weights per kept version, not two."""
+    torch engine's model, so generation holds one set of weights per kept version, not two.
+    (vLLM keeps weights of its own, repacked into its layout: with `rollout.engine=vllm`
+    there are two copies, the kept versions here and the one loaded in vLLM.)"""
 
     def __init__(
         self, max_versions: int = 1, device: str = "cpu", dtype: torch.dtype | None = None
