@@ -43,7 +43,7 @@ from asyncrl.rollout.engine import (
     build_engine,
     engine_class,
 )
-from asyncrl.rollout.weight_sync import CopyWeightSync
+from asyncrl.rollout.weight_sync import CopyWeightSync, weights_to_load
 
 
 class GenerationWorker:
@@ -143,11 +143,7 @@ class RayEngine:
         with self._lock:
             if self._closed:
                 raise RuntimeError("the Ray engine is shut down")
-        wanted = self.weights.newest() if version is None else version
-        try:
-            ref = self.weights.get(wanted)
-        except KeyError as err:
-            raise RuntimeError(err.args[0]) from None
+        wanted, ref = weights_to_load(self.weights, version, None)
         chunks = [c.tolist() for c in np.array_split(np.arange(len(requests)), len(self.workers))]
         calls = [
             (

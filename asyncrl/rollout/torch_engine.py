@@ -31,7 +31,7 @@ from asyncrl.rollout.engine import (
     GenerationOutput,
     GenerationRequest,
 )
-from asyncrl.rollout.weight_sync import WeightSource
+from asyncrl.rollout.weight_sync import WeightSource, weights_to_load
 
 
 @dataclass
@@ -88,12 +88,8 @@ class TorchGenerationEngine:
         return {}
 
     def _load(self, version: int | None) -> int:
-        wanted = self.weights.newest() if version is None else version
-        if wanted != self._loaded:
-            try:
-                state = self.weights.get(wanted)
-            except KeyError as err:
-                raise RuntimeError(err.args[0]) from None
+        wanted, state = weights_to_load(self.weights, version, self._loaded)
+        if state is not None:
             # the published copy becomes the model's weights: no second copy (tensors of
             # another dtype or device than the model's are an error of the sync, not cast)
             self._check_placement(state)

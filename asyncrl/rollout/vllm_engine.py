@@ -45,7 +45,7 @@ from asyncrl.rollout.engine import (
     GenerationOutput,
     GenerationRequest,
 )
-from asyncrl.rollout.weight_sync import WeightSource
+from asyncrl.rollout.weight_sync import WeightSource, weights_to_load
 
 _INIT_LOCK = threading.Lock()
 """vLLM's start-up patches process-wide state (environment, `torch.set_num_threads`)."""
@@ -112,12 +112,8 @@ class VLLMGenerationEngine:
         return dict(self._counters)
 
     def _load(self, version: int | None) -> int:
-        wanted = self.weights.newest() if version is None else version
-        if wanted != self._loaded:
-            try:
-                state = self.weights.get(wanted)
-            except KeyError as err:
-                raise RuntimeError(err.args[0]) from None
+        wanted, state = weights_to_load(self.weights, version, self._loaded)
+        if state is not None:
             started = time.perf_counter()
             self._loaded = None  # a reload that fails halfway leaves no version loaded
             self.load_weights(state)

@@ -36,6 +36,21 @@ class WeightSource(Protocol):
         ...
 
 
+def weights_to_load(
+    source: WeightSource, version: int | None, loaded: int | None
+) -> tuple[int, Any]:
+    """The version a batch generates with (`version` if given, else the newest) and its
+    weights, or None for them if `loaded` already is that version. A version no longer kept
+    is a RuntimeError naming the kept ones: the batch fails and is re-dispatched."""
+    wanted = source.newest() if version is None else version
+    if wanted == loaded:
+        return wanted, None
+    try:
+        return wanted, source.get(wanted)
+    except KeyError as err:
+        raise RuntimeError(err.args[0]) from None
+
+
 class WeightSync(WeightSource, Protocol):
     def publish(self, version: int, weights: Mapping[str, torch.Tensor]) -> None:
         """Makes `version` available to generation from its next batch on. Never blocks on a
