@@ -12,7 +12,8 @@ import argparse
 import sys
 from pathlib import Path
 
-from asyncrl.config import ConfigError, load_config
+from asyncrl.config import ConfigError
+from asyncrl.config_keys import load_config
 
 EXIT_OK, EXIT_FAILED, EXIT_BAD_INPUT = 0, 1, 2
 

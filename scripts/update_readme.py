@@ -5,7 +5,7 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from asyncrl.config import reference_markdown
+from asyncrl.config_keys import reference_markdown
 
 README = Path(__file__).resolve().parents[1] / "README.md"
 

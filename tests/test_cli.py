@@ -9,7 +9,7 @@ import argparse
 from helpers import SMALL, read_records, run_cli
 
 from asyncrl.cli import build_parser, parse_args
-from asyncrl.config import config_keys
+from asyncrl.config_keys import config_keys
 
 FROZEN_COMMANDS = {
     "train": {"config", "--run-dir", "--restart", "--force-config", "overrides"},
@@ -118,7 +118,7 @@ def test_a_checkpoint_from_a_newer_asyncrl_is_refused_with_exit_2_and_nothing_tr
 ):
     import json
 
-    from asyncrl.config import load_config
+    from asyncrl.config_keys import load_config
     from asyncrl.train.trainer import train
 
     demo = str(repo_root / "configs" / "demo.yaml")

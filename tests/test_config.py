@@ -5,21 +5,23 @@ import dataclasses
 import pytest
 
 from asyncrl.config import (
-    SECTIONS,
     Config,
     ConfigError,
     VLLMConfig,
     algorithm_names,
+    options_class,
+)
+from asyncrl.config_keys import (
+    SECTIONS,
     build_config,
     config_keys,
     field_docs,
     load_config,
-    options_class,
     reference_markdown,
     resume_rule,
     semantic_differences,
 )
-from asyncrl.config import (
+from asyncrl.config_keys import (
     dump_config as dump,
 )
 

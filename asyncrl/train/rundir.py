@@ -22,7 +22,8 @@ from asyncrl.checkpoint.store import (
     UnsupportedCheckpointFormat,
     Verified,
 )
-from asyncrl.config import Config, buffer_capacity, dump_config, resume_rule, semantic_differences
+from asyncrl.config import Config, buffer_capacity
+from asyncrl.config_keys import dump_config, resume_rule, semantic_differences
 from asyncrl.train.records import read_jsonl
 
 
