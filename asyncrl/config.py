@@ -1,7 +1,7 @@
 """Typed configuration: the schema, one dataclass per section, each validating its values.
 
 Each field's docstring (the string literal under it) is its only documentation; the README's
-config reference is generated from them (`asyncrl config-reference`). Each field's metadata
+config reference is generated from them (`make docs`). Each field's metadata
 says what a resume may do with it. Loading from YAML with dotted overrides, the flat
 `section.key` surface, resume comparisons and the reference live in `asyncrl.config_keys`.
 """
