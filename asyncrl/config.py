@@ -14,22 +14,25 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
+from asyncrl.config_base import (
+    MAY_CHANGE,
+    MAY_CHANGE_UNLESS_DETERMINISTIC,
+    NEVER_CHANGES,
+    ON_RESUME,
+    ConfigError,
+)
+from asyncrl.config_base import require as _require
+from asyncrl.config_data import DataConfig, EvalConfig
 
-class ConfigError(ValueError):
-    """A config file, key or value the user must fix. The message says where and how."""
-
-
-ON_RESUME = "on_resume"
-"""Field metadata: what a resume may do with a key. Keys without it bear semantics: a resume
-that changes one is refused, naming it, unless `--force-config`."""
-MAY_CHANGE = {ON_RESUME: "may_change"}
-"""It does not change what any step trains."""
-MAY_CHANGE_UNLESS_DETERMINISTIC = {ON_RESUME: "may_change_unless_deterministic"}
-"""It does not change what a step trains, but it changes the bits (batch shapes and thread
-counts change floating-point reduction order): a deterministic run may not change it."""
-NEVER_CHANGES = {ON_RESUME: "never"}
-"""A checkpoint cannot even be loaded with another value (weight shapes, the buffer's layout):
-not even `--force-config` changes it."""
+__all__ = [
+    "MAY_CHANGE",
+    "MAY_CHANGE_UNLESS_DETERMINISTIC",
+    "NEVER_CHANGES",
+    "ON_RESUME",
+    "ConfigError",
+    "DataConfig",
+    "EvalConfig",
+]
 
 
 @dataclass
@@ -80,31 +83,6 @@ class ModelConfig:
             raise ConfigError(
                 f"model.path: {self.path!r} is not a directory; give a local model directory "
                 "saved with save_pretrained, or leave it empty to build model.preset"
-            )
-
-
-@dataclass
-class DataConfig:
-    task: Literal["sort_digits", "jsonl"] = "sort_digits"
-    """Prompt source: the built-in `sort_digits` task, or `jsonl` lines read from `path`."""
-    path: str = ""
-    """For `task=jsonl`: a file with one `{"prompt": ..., "answer": ...}` object per line."""
-    reward_fn: str = ""
-    """For `task=jsonl`: the reward as `module:function`, called as `f(completion, answer)`
-    and returning a float. Empty means `asyncrl.tasks.rewards:partial_match`."""
-    num_digits: int = 5
-    """For `sort_digits`: digits per prompt."""
-    num_examples: int = 4096
-    """For `sort_digits`: rows in the generated dataset (one epoch)."""
-
-    def validate(self) -> None:
-        _require(self.num_digits >= 1, "data.num_digits", self.num_digits, ">= 1")
-        _require(self.num_examples >= 1, "data.num_examples", self.num_examples, ">= 1")
-        if self.task == "jsonl" and not self.path:
-            raise ConfigError("data.path: required when data.task=jsonl (a .jsonl file)")
-        if self.reward_fn and ":" not in self.reward_fn:
-            raise ConfigError(
-                f"data.reward_fn: {self.reward_fn!r} must look like 'module:function'"
             )
 
 
@@ -165,8 +143,16 @@ class RolloutConfig:
     """A: a group trained at step t was generated with weights versions in [t-A, t].
     0 is exactly synchronous, on-policy training."""
     max_generation_failures: int = field(default=3, metadata=MAY_CHANGE)
-    """Failed generation batches in a row (an exception in the engine or the reward function)
-    after which the run stops; each failed batch is re-dispatched first."""
+    """Failed generation batches in a row (an exception in the engine, or a reward call that
+    raised or ran past `reward_timeout_s`) after which the run stops; each failed batch is
+    re-dispatched first."""
+    reward_workers: int = field(default=0, metadata=MAY_CHANGE)
+    """Processes that compute rewards, each group's samples in one call, a chunk's groups in
+    parallel; 0: in the generation thread (no timeout possible). Slow rewards (math
+    verification, code execution) want a few."""
+    reward_timeout_s: float = field(default=0.0, metadata=MAY_CHANGE)
+    """With `reward_workers`: a reward call running longer is stopped (its worker process is
+    killed and replaced) and counts as a failed batch, named by ordinal; 0: no limit."""
     groups_per_batch: int = field(default=0, metadata=MAY_CHANGE_UNLESS_DETERMINISTIC)
     """Prompt groups the engine generates together in one batch; 0 means N (one step's worth).
     Smaller batches make groups land in the buffer a few at a time."""
@@ -225,6 +211,17 @@ class RolloutConfig:
             self.groups_per_batch >= 0, "rollout.groups_per_batch", self.groups_per_batch, ">= 0"
         )
         _require(self.num_workers >= 1, "rollout.num_workers", self.num_workers, ">= 1")
+        _require(self.reward_workers >= 0, "rollout.reward_workers", self.reward_workers, ">= 0")
+        _require(
+            self.reward_timeout_s >= 0, "rollout.reward_timeout_s", self.reward_timeout_s, ">= 0"
+        )
+        _require(
+            not self.reward_timeout_s or self.reward_workers >= 1,
+            "rollout.reward_timeout_s",
+            self.reward_timeout_s,
+            "0 unless rollout.reward_workers >= 1 (a call in the generation thread cannot be "
+            "stopped)",
+        )
         _require(self.chunk_tokens >= 0, "rollout.chunk_tokens", self.chunk_tokens, ">= 0")
         _require(
             not self.update_weights_mid_generation or self.chunk_tokens > 0,
@@ -418,6 +415,7 @@ class Config:
     train: TrainConfig = field(default_factory=TrainConfig)
     algo: AlgoConfig = field(default_factory=AlgoConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     ray: RayConfig = field(default_factory=RayConfig)
 
@@ -465,8 +463,3 @@ class Config:
         out = {f.name: dataclasses.asdict(getattr(self, f.name)) for f in dataclasses.fields(self)}
         out["algo"].update(out["algo"].pop("options"))
         return out
-
-
-def _require(ok: bool, key: str, value: Any, allowed: str) -> None:
-    if not ok:
-        raise ConfigError(f"{key}: got {value!r}, must be {allowed}")

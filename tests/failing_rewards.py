@@ -3,6 +3,11 @@
 from __future__ import annotations
 
 import math
+import os
+import time
+from pathlib import Path
+
+from asyncrl.tasks.rewards import batched
 
 
 def raises_on_7(completion: str, answer: str) -> float:
@@ -13,3 +18,39 @@ def raises_on_7(completion: str, answer: str) -> float:
 
 def nan_on_7(completion: str, answer: str) -> float:
     return math.nan if answer == "7" else float(completion == answer)
+
+
+def _fails_now() -> bool:
+    """True for the first `ASYNCRL_TEST_FAIL_TIMES` calls that ask (unset: always), counted
+    with files in `ASYNCRL_TEST_FAIL_DIR`, so that worker processes share the count."""
+    times = os.environ.get("ASYNCRL_TEST_FAIL_TIMES")
+    if times is None:
+        return True
+    folder = Path(os.environ["ASYNCRL_TEST_FAIL_DIR"])
+    folder.mkdir(parents=True, exist_ok=True)
+    done = len(list(folder.iterdir()))
+    if done >= int(times):
+        return False
+    (folder / f"{done}-{os.getpid()}-{time.monotonic_ns()}").touch()
+    return True
+
+
+def sleeps_on_7(completion: str, answer: str) -> float:
+    if answer == "7" and _fails_now():
+        time.sleep(120)
+    return float(completion == answer)
+
+
+def raises_sometimes_on_7(completion: str, answer: str) -> float:
+    if answer == "7" and _fails_now():
+        raise ValueError("cannot score answer 7 yet")
+    return float(completion == answer)
+
+
+@batched
+def batched_parts(completions: list[str], answers: list[str]) -> list[dict[str, float]]:
+    """A batched reward with two named components; the reward is their sum."""
+    return [
+        {"exact": float(c == a), "length": len(c) / 10}
+        for c, a in zip(completions, answers, strict=True)
+    ]

@@ -79,7 +79,7 @@ def test_an_int_field_accepts_an_int_given_for_a_float():
         (["run.max_num_steps=true"], "run.max_num_steps: got True"),
         (["algo.clip_eps=1.5"], "algo.clip_eps: got 1.5, must be in (0, 1)"),
         (["data.task=jsonl"], "data.path: required when data.task=jsonl"),
-        (["data.reward_fn=nomodule"], "must look like 'module:function'"),
+        (["data.reward_fn=nomodule"], "or look like 'module:function'"),
         (["model.hidden_size=100", "model.num_heads=3"], "a multiple of model.num_heads=3"),
         (["rollout.backend=mpi"], "allowed values: 'threads', 'ray'"),
         (["rollout.num_workers=0"], "rollout.num_workers: got 0, must be >= 1"),

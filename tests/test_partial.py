@@ -19,6 +19,7 @@ from asyncrl.core.stream import PromptStream
 from asyncrl.models.policy import completion_logprobs, load_policy
 from asyncrl.rollout.collector import Collector, noise_seed
 from asyncrl.rollout.engine import GenerationRequest
+from asyncrl.rollout.scorer import Scored
 
 LONG = 30  # max_new_tokens: with a 13-token vocabulary most samples sample EOS before it
 G = 6
@@ -233,7 +234,7 @@ def collector_for(policy, engine, ledger, buffer, chunk, mid=False, stop_after=N
     prompts = [encode(policy, f"{i}{i + 1}=") for i in range(10)]
     collector = Collector(
         ledger=ledger, buffer=buffer, engine=engine, prompts=prompts,
-        scorer=lambda t, out: torch.zeros(out.completion_ids.shape[0]),
+        scorer=lambda items: [Scored(torch.zeros(out.completion_ids.shape[0])) for _, out in items],
         num_generations=G, window=1, seed=0, groups_per_batch=2, end_target=1,
         pad_id=policy.pad_id, chunk_tokens=chunk, mid_generation_updates=mid,
     )  # fmt: skip

@@ -154,6 +154,11 @@ def _group_state(group: Group) -> dict[str, Any]:
         "version_max": group.version_max,
         "generation_s": group.generation_s,
         **({} if versions is None else {"token_versions": versions.clone()}),
+        **(
+            {"reward_components": {k: v.clone() for k, v in group.reward_components.items()}}
+            if group.reward_components
+            else {}
+        ),
     }
 
 
@@ -164,4 +169,8 @@ def _group_from_state(item: dict[str, Any]) -> Group:
         fields[key] = torch.as_tensor(item[key])
     if "token_versions" in item:
         fields["token_versions"] = torch.as_tensor(item["token_versions"])
+    if "reward_components" in item:
+        fields["reward_components"] = {
+            k: torch.as_tensor(v) for k, v in item["reward_components"].items()
+        }
     return Group(**fields)

@@ -3,7 +3,7 @@ threads, so the core can be unit-tested in milliseconds."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -40,6 +40,9 @@ class Group:
     token_versions: torch.Tensor | None = None
     """[G, T] int64: the weights version that sampled each token (-1 where masked). None in
     groups restored from checkpoints that predate it: every token was `version_max`'s."""
+    reward_components: dict[str, torch.Tensor] = field(default_factory=dict)
+    """Named parts of the reward, each [G] float32, when the reward function returns them
+    (logged as `reward/NAME`; training uses `rewards` only)."""
 
     @property
     def ordinal(self) -> int:

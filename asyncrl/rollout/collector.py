@@ -31,6 +31,7 @@ from asyncrl.core.partial import Partial
 from asyncrl.core.types import Group, PromptTicket
 from asyncrl.faults import fault_point
 from asyncrl.rollout.engine import GenerationEngine, GenerationOutput, GenerationRequest
+from asyncrl.rollout.scorer import Scored
 from asyncrl.rollout.weight_sync import WeightSource
 
 
@@ -53,6 +54,7 @@ def make_group(
     rewards: torch.Tensor,
     generation_s: float,
     token_versions: torch.Tensor | None = None,
+    reward_components: dict[str, torch.Tensor] | None = None,
 ) -> Group:
     """The buffered group; `token_versions` ([G, T], -1 where masked) when its tokens were
     sampled by more than one weights version, else every token is `output.weights_version`."""
@@ -72,6 +74,7 @@ def make_group(
         version_max=int(versions.max()),
         generation_s=generation_s,
         token_versions=token_versions if mixed else None,
+        reward_components=reward_components or {},
     )
 
 
@@ -105,7 +108,7 @@ class Collector:
         buffer: Buffer,
         engine: GenerationEngine,
         prompts: Sequence[list[int]],
-        scorer: Callable[[PromptTicket, GenerationOutput], torch.Tensor],
+        scorer: Callable[[list[tuple[PromptTicket, GenerationOutput]]], list[Scored]],
         num_generations: int,
         window: int,
         seed: int,
@@ -136,7 +139,7 @@ class Collector:
         self.chunk_tokens = chunk_tokens  # 0: each batch in one engine pass
         self.mid_generation_updates = mid_generation_updates
         self.weights = weights  # the engine's weights versions, to pin a continued sample's
-        self._rewards: dict[int, torch.Tensor] = {}  # scored, not yet buffered
+        self._scores: dict[int, Scored] = {}  # scored, not yet buffered
         self.num_failures = 0  # every failed batch, for the metrics
         self._consecutive_failures = 0
         self._version = 0  # the newest published version; the trainer publishes on resume
@@ -244,7 +247,7 @@ class Collector:
         at a time (0: in one pass). After each chunk, under the lock, every unfinished group's
         partial goes to the ledger (a checkpoint saves it) and every finished group to the
         buffer. A stop request ends the batch between chunks, its partials kept."""
-        self._rewards.clear()  # a failed batch's scores are stale
+        self._scores.clear()  # a failed batch's scores are stale
         with self._cond:
             saved = {t.ordinal: self.ledger.partials.get(t.ordinal) for t in tickets}
         empty = Partial.empty(self.num_generations)
@@ -335,9 +338,11 @@ class Collector:
             )
             starts.append(before.lengths)
             counts.append([int(n) for n in out.completion_mask.sum(dim=1)])
-        for t in tickets:  # scoring is the collector's work: counted in the chunk's seconds
-            if partials[t.ordinal].done:
-                self._rewards[t.ordinal] = self.scorer(t, self._output(partials[t.ordinal]))
+        # scoring is the collector's work, counted in the chunk's seconds; the finished groups
+        # of a chunk are scored together (in parallel when rewards have worker processes)
+        done = [t for t in tickets if partials[t.ordinal].done]
+        scores = self.scorer([(t, self._output(partials[t.ordinal])) for t in done])
+        self._scores.update({t.ordinal: s for t, s in zip(done, scores, strict=True)})
         return Chunk(
             start=start,
             seconds=time.perf_counter() - start,
@@ -357,7 +362,13 @@ class Collector:
     def _group(self, ticket: PromptTicket, partial: Partial, seconds: float) -> Group:
         output = self._output(partial)
         versions = torch.where(partial.mask, partial.versions, -1)
-        rewards = self._rewards.pop(ticket.ordinal)
+        scored = self._scores.pop(ticket.ordinal)
         return make_group(
-            ticket, self.prompts[ticket.dataset_index], output, rewards, seconds, versions
+            ticket,
+            self.prompts[ticket.dataset_index],
+            output,
+            scored.rewards,
+            seconds,
+            versions,
+            scored.components,
         )

@@ -1,39 +1,82 @@
-"""Scoring: each sample's completion decoded and passed to the task's reward function."""
+"""Scoring: each sample's completion decoded and the group passed to the task's reward function
+(through a `RewardPool`: in this thread or in worker processes)."""
 
 from __future__ import annotations
 
-import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
 
 import torch
 from transformers import PreTrainedTokenizerBase
 
 from asyncrl.core.types import PromptTicket
 from asyncrl.rollout.engine import GenerationOutput
-from asyncrl.tasks.source import Task
+from asyncrl.rollout.reward_pool import RewardJob, RewardPool
+from asyncrl.tasks.reward_calls import RewardFailure
+from asyncrl.tasks.source import Example, Task
 
 
 class RewardError(RuntimeError):
-    """The reward function raised or returned a non-finite value; names the ordinal."""
+    """A reward call raised, returned no reward, or ran past its timeout; names the ordinal."""
+
+
+@dataclass
+class Scored:
+    """One group's rewards [G] float32 and its named reward components (each [G])."""
+
+    rewards: torch.Tensor
+    components: dict[str, torch.Tensor] = field(default_factory=dict)
 
 
 class Scorer:
-    """Decodes completions and applies the task's reward function to each sample."""
+    """Decodes completions and scores each group with the task's reward function. Examples
+    are looked up by the ticket's `dataset_index` (`examples` defaults to the task's: the
+    evaluation passes its own)."""
 
-    def __init__(self, task: Task, tokenizer: PreTrainedTokenizerBase) -> None:
+    def __init__(
+        self,
+        task: Task,
+        tokenizer: PreTrainedTokenizerBase,
+        pool: RewardPool | None = None,
+        examples: Sequence[Example] | None = None,
+    ) -> None:
         self.task = task
         self.tokenizer = tokenizer
+        self.pool = pool or RewardPool(task.reward_target, task.reward_kwargs)
+        self.examples = task.examples if examples is None else examples
+        self.num_failures = 0  # reward calls that failed (raised or timed out), for the metrics
 
     def __call__(self, ticket: PromptTicket, output: GenerationOutput) -> torch.Tensor:
-        example = self.task.examples[ticket.dataset_index]
-        rewards = []
-        for ids, mask in zip(output.completion_ids, output.completion_mask, strict=True):
-            text = str(self.tokenizer.decode(ids[mask].tolist(), skip_special_tokens=True))
-            where = f"{self.task.reward_fn_name} on ordinal {ticket.ordinal} ({example.origin})"
-            try:
-                value = float(self.task.reward_fn(text, example.answer))
-            except Exception as err:
-                raise RewardError(f"{where} raised {err!r} for completion {text!r}") from err
-            if not math.isfinite(value):
-                raise RewardError(f"{where} returned {value} for completion {text!r}")
-            rewards.append(value)
-        return torch.tensor(rewards, dtype=torch.float32)
+        """One group's rewards [G]."""
+        return self.score([(ticket, output)])[0].rewards
+
+    def score(self, items: list[tuple[PromptTicket, GenerationOutput]]) -> list[Scored]:
+        """Every group's scores, the groups scored in parallel when the pool has workers.
+        Raises `RewardError` naming the first group whose call failed."""
+        jobs = [RewardJob(self._texts(output), self._example(t).answer) for t, output in items]
+        results = self.pool.score(jobs)
+        scored = []
+        for (ticket, _), result in zip(items, results, strict=True):
+            if isinstance(result, RewardFailure):
+                self.num_failures += sum(isinstance(r, RewardFailure) for r in results)
+                example = self._example(ticket)
+                raise RewardError(
+                    f"{self.task.reward_fn_name} on ordinal {ticket.ordinal} ({example.origin}) "
+                    f"{result}"
+                ) from result
+            scored.append(
+                Scored(
+                    torch.tensor(result.rewards, dtype=torch.float32),
+                    {k: torch.tensor(v, dtype=torch.float32) for k, v in result.components.items()},
+                )
+            )
+        return scored
+
+    def _example(self, ticket: PromptTicket) -> Example:
+        return self.examples[ticket.dataset_index]
+
+    def _texts(self, output: GenerationOutput) -> list[str]:
+        return [
+            str(self.tokenizer.decode(ids[mask].tolist(), skip_special_tokens=True))
+            for ids, mask in zip(output.completion_ids, output.completion_mask, strict=True)
+        ]

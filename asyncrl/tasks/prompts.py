@@ -1,22 +1,47 @@
-"""A task's prompts as token ids, checked against the tokenizer and the model's context."""
+"""A task's prompts as token ids, checked against the tokenizer and the model's context. Chat
+prompts go through the tokenizer's chat template, as `transformers` applies it for generation
+(`add_generation_prompt=True`)."""
 
 from __future__ import annotations
+
+from typing import Any
 
 from transformers import PreTrainedTokenizerBase
 
 from asyncrl.config import ConfigError
-from asyncrl.tasks.source import Task
+from asyncrl.tasks.source import Example, Task
+
+
+def prompt_ids(example: Example, tokenizer: PreTrainedTokenizerBase) -> list[int]:
+    """The token ids the model is prompted with: the chat template's rendering of a chat
+    example's messages followed by the assistant's turn opening, or the prompt text as it is
+    (no special tokens added)."""
+    if example.messages is None:
+        return list(tokenizer(example.prompt, add_special_tokens=False)["input_ids"])
+    if not getattr(tokenizer, "chat_template", None):
+        raise ConfigError(
+            f"{example.origin}: a chat prompt, but the tokenizer has no chat template (use a "
+            "model.path whose tokenizer has one)"
+        )
+    encoded: Any = tokenizer.apply_chat_template(
+        list(example.messages), add_generation_prompt=True, tokenize=True
+    )
+    ids = encoded["input_ids"] if hasattr(encoded, "keys") else encoded
+    return [int(i) for i in ids]
 
 
 def encode_prompts(
-    task: Task, tokenizer: PreTrainedTokenizerBase, max_new_tokens: int, max_seq_len: int
+    task: Task | list[Example],
+    tokenizer: PreTrainedTokenizerBase,
+    max_new_tokens: int,
+    max_seq_len: int,
 ) -> list[list[int]]:
     """Token ids of every example's prompt. Refuses, naming the example, a prompt with
     characters the tokenizer cannot represent or too long for the model's context."""
     unk = tokenizer.unk_token_id
     encoded = []
-    for example in task.examples:
-        ids = tokenizer(example.prompt, add_special_tokens=False)["input_ids"]
+    for example in task.examples if isinstance(task, Task) else task:
+        ids = prompt_ids(example, tokenizer)
         if unk is not None and unk in ids:
             raise ConfigError(
                 f"{example.origin}: the prompt has characters the tokenizer does not know"

@@ -1,6 +1,14 @@
-"""Reward functions: `f(completion: str, answer: str) -> float`, pure and cheap."""
+"""Built-in reward functions: `f(completion: str, answer: str) -> float | dict[str, float]`
+(see `asyncrl/tasks/reward_calls.py` for the contract). `partial_match` and `exact_match` are
+pure and cheap; `math_reward` verifies mathematical equivalence with `math-verify`."""
 
 from __future__ import annotations
+
+import logging
+import re
+import threading
+from collections.abc import Callable
+from typing import Any
 
 
 def partial_match(completion: str, answer: str) -> float:
@@ -16,3 +24,46 @@ def partial_match(completion: str, answer: str) -> float:
 def exact_match(completion: str, answer: str) -> float:
     """1.0 if the completion equals the answer after stripping whitespace, else 0.0."""
     return float(completion.strip() == answer.strip())
+
+
+def batched(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """Marks a reward function that scores a whole group in one call:
+    `f(completions: list[str], answers: list[str]) -> list[float | dict[str, float]]`."""
+    fn.batched = True  # type: ignore[attr-defined]
+    return fn
+
+
+BOXED = re.compile(r"\\boxed\s*\{")
+
+
+def reference_answer(answer: str) -> str:
+    """The final answer of a reference: what follows GSM8K's `####` if there is one, else the
+    whole text."""
+    return answer.rsplit("####", 1)[1].strip() if "####" in answer else answer.strip()
+
+
+def math_reward(completion: str, answer: str, format_reward: float = 0.0) -> dict[str, float]:
+    """`correct`: 1 if the completion's final answer — its `\\boxed{}` or else its last number
+    or expression, as `math-verify` extracts it — is mathematically equivalent to the
+    reference's (`1/2`, `0.5` and `\\frac{2}{4}` agree; `1,000` is 1000), else 0; no answer is
+    0. `format`: 1 if the answer is in a `\\boxed{}`. The reward is
+    `correct + format_reward * format`.
+
+    math-verify bounds its own parsing and comparison with `signal.alarm`, which only the main
+    thread of a process may use: in a reward worker process (`rollout.reward_workers`) it does;
+    in the generation thread it runs without (set `reward_workers` for untrusted answers)."""
+    from math_verify import parse, verify  # heavy (sympy): imported on first use
+
+    timeout = 5 if threading.current_thread() is threading.main_thread() else None
+    gold = parse(reference_answer(answer), parsing_timeout=timeout)
+    predicted = parse(completion, parsing_timeout=timeout) if completion.strip() else []
+    correct = bool(gold) and bool(predicted) and verify(gold, predicted, timeout_seconds=timeout)
+    formatted = float(bool(BOXED.search(completion)))
+    return {
+        "reward": float(correct) + format_reward * formatted,
+        "correct": float(correct),
+        "format": formatted,
+    }
+
+
+logging.getLogger("math_verify").setLevel(logging.ERROR)  # "timeout is disabled", per call

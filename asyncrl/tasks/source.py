@@ -1,38 +1,50 @@
-"""Prompt sources: the built-in `sort_digits` task and JSONL files.
+"""Prompt sources: the built-in `sort_digits` task, JSONL files and Hugging Face datasets.
 
 A source is a list of `Example(prompt, answer)` plus a reward function; the prompt stream
-only ever sees its length. Every error names the file, the line and what to fix.
+only ever sees its length, so I1/I3 hold on any dataset. Every error names the file, the row
+and what to fix.
 """
 
 from __future__ import annotations
 
-import importlib
 import json
 import random
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from asyncrl.config import ConfigError, DataConfig
-from asyncrl.tasks.rewards import partial_match
+from asyncrl.tasks.reward_calls import resolve_reward_fn
 
-RewardFn = Callable[[str, str], float]
+Message = dict[str, str]
 
 
 @dataclass(frozen=True)
 class Example:
     prompt: str
+    """The prompt text; for a chat example, its messages' contents (for the alphabet and
+    messages; the model sees `messages` through the chat template)."""
     answer: str
     origin: str
-    """Where the example came from, for error messages: `file:line` or `sort_digits[i]`."""
+    """Where the example came from, for error messages: `file:row` or `sort_digits[i]`."""
+    messages: tuple[Message, ...] | None = None
+    """A chat prompt: the messages the tokenizer's chat template renders."""
 
 
 @dataclass
 class Task:
     name: str
     examples: list[Example]
-    reward_fn: RewardFn
+    reward_target: str
+    """The reward function as `module:function`."""
     reward_fn_name: str
+    """How the config names it, for messages."""
+    reward_kwargs: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def reward_fn(self) -> Callable[..., Any]:
+        return resolve_reward_fn(self.reward_target)
 
     def alphabet(self) -> set[str]:
         """Every character of every prompt and answer: the `tiny` preset's vocabulary."""
@@ -80,25 +92,21 @@ def read_jsonl_examples(path: str | Path) -> list[Example]:
     return examples
 
 
-def resolve_reward_fn(spec: str) -> RewardFn:
-    """Imports `module:function`; the error says which part could not be found."""
-    module_name, _, attr = spec.partition(":")
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as err:
-        raise ConfigError(f"data.reward_fn: cannot import module {module_name!r}: {err}") from None
-    fn = getattr(module, attr, None)
-    if not callable(fn):
-        raise ConfigError(f"data.reward_fn: {module_name} has no function {attr!r}")
-    return fn
-
-
 def load_task(config: DataConfig) -> Task:
-    spec = config.reward_fn or "asyncrl.tasks.rewards:partial_match"
     if config.task == "sort_digits":
         examples = sort_digits_examples(config.num_digits, config.num_examples)
-        reward_fn: RewardFn = resolve_reward_fn(spec) if config.reward_fn else partial_match
-    else:
+    elif config.task == "jsonl":
         examples = read_jsonl_examples(config.path)
-        reward_fn = resolve_reward_fn(spec)
-    return Task(name=config.task, examples=examples, reward_fn=reward_fn, reward_fn_name=spec)
+    else:
+        from asyncrl.tasks.hf_data import read_hf_examples  # `datasets` only when used
+
+        examples = read_hf_examples(config, config.path, config.split)
+    kwargs = {"format_reward": config.format_reward} if config.format_reward else {}
+    resolve_reward_fn(config.reward_target)  # a bad name fails here, before any model loads
+    return Task(
+        name=config.task,
+        examples=examples,
+        reward_target=config.reward_target,
+        reward_fn_name=config.reward_fn or "partial_match",
+        reward_kwargs=kwargs,
+    )

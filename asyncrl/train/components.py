@@ -22,6 +22,7 @@ from asyncrl.rollout.engine import (
     check_engine,
     engine_options,
 )
+from asyncrl.rollout.reward_pool import RewardPool
 from asyncrl.rollout.scorer import Scorer
 from asyncrl.rollout.weight_sync import CopyWeightSync, WeightSync
 from asyncrl.tasks.prompts import encode_prompts
@@ -41,6 +42,7 @@ class Components:
     engine: GenerationEngine
     collector: Collector
     algo: Algorithm
+    scorer: Scorer
     shutdown_steps: list[Callable[[], None]] = field(default_factory=list)
 
     def shutdown(self) -> None:
@@ -93,12 +95,17 @@ def build_components(config: Config, on_batch: OnBatch | None = None) -> Compone
         weights = CopyWeightSync(config.kept_weight_versions, rollout.device, DTYPES[rollout.dtype])
         engine = build_engine(rollout.engine, spec, weights)
     weights.publish(0, algo.policy_weights())
+    pool = RewardPool(
+        task.reward_target, task.reward_kwargs, rollout.reward_workers, rollout.reward_timeout_s
+    )
+    shutdown.append(pool.close)
+    scorer = Scorer(task, policy.tokenizer, pool)
     collector = Collector(
         ledger=ledger,
         buffer=buffer,
         engine=engine,
         prompts=prompts,
-        scorer=Scorer(task, policy.tokenizer),
+        scorer=scorer.score,
         num_generations=rollout.num_generations_per_prompt,
         window=rollout.max_trajectory_age_steps,
         seed=config.run.seed,
@@ -113,7 +120,7 @@ def build_components(config: Config, on_batch: OnBatch | None = None) -> Compone
         weights=weights,
     )
     return Components(
-        policy, task, stream, ledger, buffer, weights, engine, collector, algo, shutdown
+        policy, task, stream, ledger, buffer, weights, engine, collector, algo, scorer, shutdown
     )
 
 

@@ -136,8 +136,21 @@ def step_record(
         "tokens_sha256": tokens_digest(groups),
         "token_staleness_mean": token_staleness(step, groups),
         "mixed_version_groups": sum(1 for g in groups if g.version_min != g.version_max),
+        **reward_components(groups),
         **rest,
     }
+
+
+def reward_components(groups: list[Group]) -> dict[str, float]:
+    """`reward/NAME`: the mean of each named reward component over the step's samples that
+    have it (none when the reward function returns plain numbers)."""
+    totals: dict[str, list[float]] = {}
+    for g in groups:
+        for name, values in g.reward_components.items():
+            sums = totals.setdefault(name, [0.0, 0])
+            sums[0] += float(values.sum())
+            sums[1] += values.numel()
+    return {f"reward/{name}": total / count for name, (total, count) in sorted(totals.items())}
 
 
 def token_staleness(step: int, groups: list[Group]) -> float:

@@ -342,6 +342,7 @@ class Trainer:
             wall_s=time.perf_counter() - self._start_s,
             buffer_groups=len(self.parts.buffer),
             generation_failures=self.parts.collector.num_failures,
+            reward_failures=self.parts.scorer.num_failures,
             **self.parts.engine.metrics(),
             wait_s=train_start - wait_start,
             train_s=trained - train_start,

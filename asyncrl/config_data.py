@@ -1,0 +1,120 @@
+"""The config sections of what a run trains on and is evaluated on: `data.*` and `eval.*`
+(part of the schema in `asyncrl.config`; the same rules: one docstring per field, the field's
+metadata says what a resume may change)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+from asyncrl.config_base import MAY_CHANGE, ConfigError, require
+
+BUILTIN_REWARDS = {
+    "partial_match": "asyncrl.tasks.rewards:partial_match",
+    "exact_match": "asyncrl.tasks.rewards:exact_match",
+    "math": "asyncrl.tasks.rewards:math_reward",
+}
+"""`data.reward_fn` short names -> the function they stand for."""
+
+
+@dataclass
+class DataConfig:
+    task: Literal["sort_digits", "jsonl", "hf"] = "sort_digits"
+    """Prompt source: the built-in `sort_digits` task, `jsonl` lines of `{"prompt", "answer"}`
+    read from `path`, or `hf`: any dataset Hugging Face `datasets` loads from `path` (a local
+    JSONL/JSON/CSV/Parquet file, a directory saved with `save_to_disk`, or a hub name where the
+    network allows), its rows read with `prompt_key`/`messages_key` and `answer_key`."""
+    path: str = ""
+    """For `task=jsonl`: a file with one `{"prompt": ..., "answer": ...}` object per line. For
+    `task=hf`: the dataset (file, saved directory or hub name)."""
+    split: str = "train"
+    """For `task=hf`: the split to train on (a single file is split `train`)."""
+    prompt_key: str = "prompt"
+    """For `task=hf`: the column holding the prompt, a string or a list of chat messages
+    (`[{"role": ..., "content": ...}]`, as TRL's conversational datasets have it)."""
+    messages_key: str = ""
+    """For `task=hf`: if set, the column holding each row's chat messages, used instead of
+    `prompt_key`. Chat prompts go through the tokenizer's chat template with
+    `add_generation_prompt=True`; they must not end with an assistant message."""
+    answer_key: str = "answer"
+    """For `task=hf`: the column holding the reference answer the reward compares with."""
+    system_prompt: str = ""
+    """For `task=hf`: a system message put first in every chat prompt that has none."""
+    apply_chat_template: bool = False
+    """For `task=hf`: also send string prompts through the chat template, as one user message
+    (what an instruct model expects). Chat-message prompts always go through it."""
+    reward_fn: str = ""
+    """The reward: `partial_match`, `exact_match`, `math` (`math-verify`: the completion's
+    `\\boxed{}` or last number checked for equivalence with the answer), or `module:function`
+    called as `f(completion, answer)` (or on lists, if the function has `batched = True`),
+    returning a float or a dict of named floats (each logged as `reward/NAME`; the reward is
+    its `reward` entry, else their sum). Empty: `partial_match`."""
+    format_reward: float = 0.0
+    """For `reward_fn=math`: the weight of a format bonus, 1 when the completion puts its
+    answer in `\\boxed{}` (components `reward/correct` and `reward/format` are logged)."""
+    num_digits: int = 5
+    """For `sort_digits`: digits per prompt."""
+    num_examples: int = 4096
+    """For `sort_digits`: rows in the generated dataset (one epoch)."""
+
+    @property
+    def reward_target(self) -> str:
+        """`module:function` of the reward (a short name resolved)."""
+        name = self.reward_fn or "partial_match"
+        return BUILTIN_REWARDS.get(name, name)
+
+    def validate(self) -> None:
+        require(self.num_digits >= 1, "data.num_digits", self.num_digits, ">= 1")
+        require(self.num_examples >= 1, "data.num_examples", self.num_examples, ">= 1")
+        if self.task in ("jsonl", "hf") and not self.path:
+            raise ConfigError(
+                f"data.path: required when data.task={self.task} "
+                + ("(a .jsonl file)" if self.task == "jsonl" else "(a file, directory or name)")
+            )
+        if ":" not in self.reward_target:
+            raise ConfigError(
+                f"data.reward_fn: {self.reward_fn!r} must be one of "
+                f"{', '.join(BUILTIN_REWARDS)} or look like 'module:function'"
+            )
+        require(self.format_reward >= 0, "data.format_reward", self.format_reward, ">= 0")
+        if self.format_reward and self.reward_target != BUILTIN_REWARDS["math"]:
+            raise ConfigError(
+                f"data.format_reward: {self.format_reward} is an option of reward_fn=math; "
+                f"data.reward_fn is {self.reward_fn or 'partial_match'!r}"
+            )
+
+
+@dataclass
+class EvalConfig:
+    """`eval.*`: evaluation of the current weights every `every_steps` steps, on prompts the
+    training never sees. It uses its own engine copy, its own noise seeds and no training
+    ordinal, so switching it on changes no bit of training (docs/evaluation.md)."""
+
+    every_steps: int = field(default=0, metadata=MAY_CHANGE)
+    """Evaluate the weights after every `every_steps` steps (and after the last step); 0: no
+    evaluation during training (`asyncrl eval` still evaluates a checkpoint)."""
+    path: str = field(default="", metadata=MAY_CHANGE)
+    """The evaluation prompts, read like `data.path` with `data.task`'s keys. Empty: `data.path`
+    with split `eval.split`; for `sort_digits`, a held-out generated set."""
+    split: str = field(default="test", metadata=MAY_CHANGE)
+    """The split of `eval.path` (or of `data.path` when `eval.path` is empty) to evaluate on."""
+    max_examples: int = field(default=0, metadata=MAY_CHANGE)
+    """Evaluate on the first this many rows; 0: all of them."""
+    num_samples: int = field(default=4, metadata=MAY_CHANGE)
+    """k: samples per prompt at `eval.temperature`, for `eval/pass@k` and `eval/reward_mean`."""
+    temperature: float = field(default=1.0, metadata=MAY_CHANGE)
+    """Sampling temperature of the k samples."""
+    greedy: bool = field(default=True, metadata=MAY_CHANGE)
+    """Also decode each prompt greedily (`eval/greedy_reward`, `eval/greedy_pass`)."""
+    pass_threshold: float = field(default=1.0, metadata=MAY_CHANGE)
+    """A sample passes when its reward is at least this (1.0: a fully correct answer for the
+    built-in rewards, format bonus or not)."""
+    batch_prompts: int = field(default=32, metadata=MAY_CHANGE)
+    """Prompts generated together in one engine call."""
+
+    def validate(self) -> None:
+        for key in ("every_steps", "max_examples"):
+            require(getattr(self, key) >= 0, f"eval.{key}", getattr(self, key), ">= 0")
+        for key in ("num_samples", "batch_prompts"):
+            require(getattr(self, key) >= 1, f"eval.{key}", getattr(self, key), ">= 1")
+        require(self.temperature > 0, "eval.temperature", self.temperature, "> 0")

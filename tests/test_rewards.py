@@ -1,0 +1,101 @@
+"""Rewards: the built-in `math` reward (math-verify) on hand-made cases, the reward-call
+contract (numbers, dicts of components, batched functions, bad returns) and the worker pool
+with its timeout."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from asyncrl.rollout.reward_pool import RewardJob, RewardPool
+from asyncrl.tasks.reward_calls import GroupScores, RewardFailure, score_group
+from asyncrl.tasks.rewards import math_reward, reference_answer
+
+MATH_CASES = [
+    # (reference, completion, correct, boxed)
+    ("42", "The answer is \\boxed{42}.", 1, 1),
+    ("42", "40 + 2 = 42", 1, 0),  # the last number
+    ("#### 42", "so it is 42", 1, 0),  # GSM8K's reference format
+    ("\\frac{1}{2}", "\\boxed{0.5}", 1, 1),
+    ("0.5", "$\\frac{1}{2}$", 1, 0),
+    ("1/2", "\\boxed{\\frac{2}{4}}", 1, 1),
+    ("1,000", "\\boxed{1000}", 1, 1),
+    ("$x^2+1$", "\\boxed{1+x^2}", 1, 1),
+    ("-3", "the result is -3", 1, 0),
+    ("12", "12.0", 1, 0),
+    ("42", "I think 41", 0, 0),  # wrong
+    ("12", "\\boxed{13}", 0, 1),  # wrong, well formatted
+    ("42", "no idea", 0, 0),  # no answer
+    ("42", "", 0, 0),  # empty completion
+    ("7", "\\boxed{7} and then 9", 1, 1),  # the boxed answer wins over the last number
+]
+
+
+@pytest.mark.parametrize(("reference", "completion", "correct", "boxed"), MATH_CASES)
+def test_math_reward_on_hand_made_cases(reference, completion, correct, boxed):
+    scores = math_reward(completion, reference)
+    assert scores == {"reward": float(correct), "correct": float(correct), "format": float(boxed)}
+
+
+def test_math_reward_format_bonus_adds_to_the_reward():
+    assert math_reward("\\boxed{13}", "12", format_reward=0.1)["reward"] == pytest.approx(0.1)
+    assert math_reward("\\boxed{12}", "12", format_reward=0.1)["reward"] == pytest.approx(1.1)
+    assert math_reward("12", "12", format_reward=0.1)["reward"] == 1.0
+
+
+def test_reference_answer_takes_what_follows_gsm8k_marks():
+    assert reference_answer("3 + 4 = 7\n#### 7") == "7"
+    assert reference_answer(" 7 ") == "7"
+
+
+def test_score_group_numbers_and_components():
+    plain = score_group("asyncrl.tasks.rewards:exact_match", {}, ["7", "8"], "7")
+    assert plain == GroupScores([1.0, 0.0], {})
+    parts = score_group("asyncrl.tasks.rewards:math_reward", {}, ["\\boxed{7}", "8"], "7")
+    assert parts.rewards == [1.0, 0.0]
+    assert parts.components == {"correct": [1.0, 0.0], "format": [1.0, 0.0]}
+    summed = score_group("failing_rewards:batched_parts", {}, ["7", "12"], "7")
+    assert summed.rewards == pytest.approx([1.1, 0.2])  # no `reward` entry: the sum
+    assert summed.components == {"exact": [1.0, 0.0], "length": [0.1, 0.2]}
+
+
+@pytest.mark.parametrize(
+    ("target", "message"),
+    [
+        ("failing_rewards:raises_on_7", "raised ValueError('cannot score answer 7')"),
+        ("failing_rewards:nan_on_7", "returned nan as reward"),
+    ],
+)
+def test_score_group_failures_name_the_completion(target, message):
+    with pytest.raises(RewardFailure, match="completion '7'") as err:
+        score_group(target, {}, ["7"], "7")
+    assert message in str(err.value)
+
+
+def test_pool_in_worker_processes_matches_the_calling_thread():
+    jobs = [RewardJob(["\\boxed{3}", "4", "x"], "3"), RewardJob(["1/2", "0.5"], "\\frac{1}{2}")]
+    here = RewardPool("asyncrl.tasks.rewards:math_reward", {"format_reward": 0.5})
+    pool = RewardPool("asyncrl.tasks.rewards:math_reward", {"format_reward": 0.5}, workers=2)
+    try:
+        assert pool.score(jobs) == here.score(jobs)
+        assert here.score(jobs)[0].rewards == [1.5, 0.0, 0.0]
+    finally:
+        pool.close()
+
+
+def test_a_call_past_the_timeout_is_stopped_and_reported_and_the_pool_goes_on(
+    tmp_path, monkeypatch
+):
+    monkeypatch.delenv("ASYNCRL_TEST_FAIL_TIMES", raising=False)  # sleeps every time on "7"
+    pool = RewardPool("failing_rewards:sleeps_on_7", {}, workers=2, timeout_s=1.5)
+    try:
+        start = time.perf_counter()
+        slow, fast = pool.score([RewardJob(["x"], "7"), RewardJob(["3"], "3")])
+        assert time.perf_counter() - start < 30  # not the 120 s the call would sleep
+        assert isinstance(slow, RewardFailure) and "reward_timeout_s=1.5" in str(slow)
+        assert fast == GroupScores([1.0], {})
+        assert pool.num_timeouts == 1
+        assert pool.score([RewardJob(["3"], "3")]) == [GroupScores([1.0], {})]  # replaced
+    finally:
+        pool.close()
