@@ -53,24 +53,32 @@ class Scorer:
     def score(self, items: list[tuple[PromptTicket, GenerationOutput]]) -> list[Scored]:
         """Every group's scores, the groups scored in parallel when the pool has workers.
         Raises `RewardError` naming the first group whose call failed."""
-        jobs = [RewardJob(self._texts(output), self._example(t).answer) for t, output in items]
-        results = self.pool.score(jobs)
-        scored = []
+        results = self.results(items)
+        self.num_failures += sum(isinstance(r, RewardFailure) for r in results)
         for (ticket, _), result in zip(items, results, strict=True):
             if isinstance(result, RewardFailure):
-                self.num_failures += sum(isinstance(r, RewardFailure) for r in results)
                 example = self._example(ticket)
                 raise RewardError(
                     f"{self.task.reward_fn_name} on ordinal {ticket.ordinal} ({example.origin}) "
                     f"{result}"
                 ) from result
-            scored.append(
-                Scored(
-                    torch.tensor(result.rewards, dtype=torch.float32),
-                    {k: torch.tensor(v, dtype=torch.float32) for k, v in result.components.items()},
-                )
+        return [r for r in results if isinstance(r, Scored)]
+
+    def results(
+        self, items: list[tuple[PromptTicket, GenerationOutput]]
+    ) -> list[Scored | RewardFailure]:
+        """Every group's scores, or the failure of its reward call (not counted: the caller
+        decides what a failure costs)."""
+        jobs = [RewardJob(self._texts(output), self._example(t).answer) for t, output in items]
+        return [
+            result
+            if isinstance(result, RewardFailure)
+            else Scored(
+                torch.tensor(result.rewards, dtype=torch.float32),
+                {k: torch.tensor(v, dtype=torch.float32) for k, v in result.components.items()},
             )
-        return scored
+            for result in self.pool.score(jobs)
+        ]
 
     def _example(self, ticket: PromptTicket) -> Example:
         return self.examples[ticket.dataset_index]

@@ -264,9 +264,13 @@ class TorchGenerationEngine:
         tokens, logprobs, masks = [], [], []
         for step in range(steps):
             fault_point("engine.decode_step")
-            step_logprobs = torch.log_softmax(out.logits[:, -1].float() / self.temperature, -1)
+            scale = self.temperature or 1.0  # 0: greedy (the evaluation's), log-probs at 1
+            step_logprobs = torch.log_softmax(out.logits[:, -1].float() / scale, -1)
             column = (offsets + step).clamp(max=self.max_new_tokens - 1)
-            token = sample_inverse_cdf(step_logprobs.exp(), uniforms[at, column])
+            if self.temperature:
+                token = sample_inverse_cdf(step_logprobs.exp(), uniforms[at, column])
+            else:
+                token = step_logprobs.argmax(-1)
             token = torch.where(finished, torch.full_like(token, self.pad_id), token)
             chosen = step_logprobs.gather(-1, token.unsqueeze(-1)).squeeze(-1)
             alive = ~finished

@@ -51,14 +51,20 @@ class Task:
         return {c for e in self.examples for c in e.prompt + e.answer}
 
 
-def sort_digits_examples(num_digits: int, num_examples: int) -> list[Example]:
+def sort_digits_examples(
+    num_digits: int, num_examples: int, held_out: bool = False
+) -> list[Example]:
     """`31524=` -> `12345`. The dataset is fixed by its size, not by the run's seed, so runs
-    with different seeds see the same rows in different orders."""
-    rng = random.Random(f"asyncrl-sort-digits:{num_digits}:{num_examples}")
+    with different seeds see the same rows in different orders. `held_out`: a set drawn from
+    another generator, for evaluation (prompts may coincide with training's by chance: at 5
+    digits there are only 10^5 of them)."""
+    tag = "asyncrl-sort-digits-eval" if held_out else "asyncrl-sort-digits"
+    rng = random.Random(f"{tag}:{num_digits}:{num_examples}")
     examples = []
     for i in range(num_examples):
         digits = "".join(rng.choice("0123456789") for _ in range(num_digits))
-        examples.append(Example(f"{digits}=", "".join(sorted(digits)), f"sort_digits[{i}]"))
+        origin = f"sort_digits_eval[{i}]" if held_out else f"sort_digits[{i}]"
+        examples.append(Example(f"{digits}=", "".join(sorted(digits)), origin))
     return examples
 
 

@@ -27,6 +27,7 @@ from asyncrl.rollout.scorer import Scorer
 from asyncrl.rollout.weight_sync import CopyWeightSync, WeightSync
 from asyncrl.tasks.prompts import encode_prompts
 from asyncrl.tasks.source import Task, load_task
+from asyncrl.train.evaluation import Evaluator, eval_examples
 
 OnBatch = Callable[[Chunk], None]
 
@@ -44,6 +45,8 @@ class Components:
     algo: Algorithm
     scorer: Scorer
     shutdown_steps: list[Callable[[], None]] = field(default_factory=list)
+    evaluator: Evaluator | None = None
+    """With `eval.every_steps`: evaluates the weights the trainer publishes."""
 
     def shutdown(self) -> None:
         """Releases what the backend started (Ray actors, a local Ray); threads need nothing."""
@@ -119,8 +122,25 @@ def build_components(config: Config, on_batch: OnBatch | None = None) -> Compone
         mid_generation_updates=rollout.update_weights_mid_generation,
         weights=weights,
     )
-    return Components(
+    parts = Components(
         policy, task, stream, ledger, buffer, weights, engine, collector, algo, scorer, shutdown
+    )
+    if config.eval.every_steps:
+        parts.evaluator = build_evaluator(config, policy, task, pool)
+    return parts
+
+
+def build_evaluator(config: Config, policy: Policy, task: Task, pool: RewardPool) -> Evaluator:
+    """The evaluation of `config.eval` over `eval_examples(config)`, scoring with `pool`."""
+    return Evaluator(
+        config,
+        policy.model,
+        policy.tokenizer,
+        task,
+        eval_examples(config),
+        pool,
+        policy.eos_id,
+        policy.pad_id,
     )
 
 

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -45,6 +46,7 @@ from asyncrl.core.resume import ResumePlan, plan_resume
 from asyncrl.faults import fault_point
 from asyncrl.rollout.collector import Chunk, GenerationFailed
 from asyncrl.train.components import build_components
+from asyncrl.train.evaluation import eval_line
 from asyncrl.train.records import (
     RunLogs,
     latest_records,
@@ -267,6 +269,8 @@ class Trainer:
         try:
             while self.step < self.config.run.max_num_steps:
                 record = self.train_step()
+                if "eval/reward_mean" in record:
+                    tqdm.write(eval_line(record), file=sys.stderr)
                 progress.set_postfix_str(self._postfix(record), refresh=False)
                 progress.update(1)
                 if self.stop.requested or self.step % self.config.checkpoint.save_period == 0:
@@ -338,6 +342,7 @@ class Trainer:
         self._publish_weights(step + 1)
         fault_point("train.weights_published")
         record = step_record(step, self.attempt, groups, algo_metrics)
+        evaluated = self._evaluate(step + 1)
         record.update(
             wall_s=time.perf_counter() - self._start_s,
             buffer_groups=len(self.parts.buffer),
@@ -346,11 +351,22 @@ class Trainer:
             **self.parts.engine.metrics(),
             wait_s=train_start - wait_start,
             train_s=trained - train_start,
-            sync_s=time.perf_counter() - trained,
+            sync_s=time.perf_counter() - trained - evaluated.get("eval/seconds", 0.0),
+            **evaluated,
         )
         self.logs.write_step(record)
         self.step = step + 1
         return record
+
+    def _evaluate(self, version: int) -> dict[str, float]:
+        """`eval/...` metrics of weights `version` when the evaluation is due for it (also an
+        `eval` event), else nothing. Generation goes on meanwhile; the trainer waits."""
+        evaluator = self.parts.evaluator
+        if evaluator is None or not evaluator.due(version):
+            return {}
+        metrics = evaluator.evaluate(version, self.parts.algo.policy_weights())
+        self.logs.events.emit("eval", step=version - 1, version=version, **metrics)
+        return metrics
 
     def checkpoint(self, wait: bool = False) -> None:
         """Stages the current step's state and hands it to the background writer, which

@@ -1,0 +1,203 @@
+"""Evaluation: the current weights on prompts training never sees, without disturbing training.
+
+Every `eval.every_steps` steps the trainer hands the weights it just published to an
+`Evaluator`, which generates `eval.num_samples` samples per evaluation prompt (and one greedy
+decode) on a private engine copy, scores them with the run's reward, and returns `eval/...`
+metrics for the step's record. It takes no ordinal from the stream, touches no buffer or
+ledger, and draws its noise from its own per-prompt seeds (the same at every evaluation, so
+curves compare like with like) through private generators: a deterministic run trains the
+same bits with evaluation on or off (a test checks it).
+
+Metrics: `eval/reward_mean` (all samples), `eval/pass@1` (mean share of a prompt's samples
+that pass: reward >= `eval.pass_threshold`), `eval/pass@k` (share of prompts with a passing
+sample among k), `eval/greedy_reward`, `eval/greedy_pass`, `eval/reward/NAME` per reward
+component, `eval/completion_tokens`, `eval/reward_failures` (reward calls that failed: their
+samples count 0 and do not pass), `eval/num_examples`, `eval/seconds`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import time
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+from asyncrl.config import Config, ConfigError
+from asyncrl.core.types import PromptTicket
+from asyncrl.models.device import DTYPES
+from asyncrl.rollout.engine import EngineSpec, GenerationRequest
+from asyncrl.rollout.reward_pool import RewardPool
+from asyncrl.rollout.scorer import Scored, Scorer
+from asyncrl.rollout.torch_engine import TorchGenerationEngine
+from asyncrl.rollout.weight_sync import CopyWeightSync
+from asyncrl.tasks.prompts import encode_prompts
+from asyncrl.tasks.source import Example, Task, read_jsonl_examples, sort_digits_examples
+
+
+def eval_examples(config: Config) -> list[Example]:
+    """The evaluation prompts: `eval.path` (read as `data.task` reads), else `data.path`'s
+    split `eval.split`, else for `sort_digits` a held-out generated set; the first
+    `eval.max_examples` of them if set."""
+    data, ev = config.data, config.eval
+    limit = ev.max_examples
+    if data.task == "sort_digits" and not ev.path:
+        examples = sort_digits_examples(data.num_digits, limit or 256, held_out=True)
+    elif data.task == "jsonl" or (data.task == "sort_digits" and ev.path):
+        if not ev.path:
+            raise ConfigError("eval.path: required with data.task=jsonl (a .jsonl file)")
+        examples = read_jsonl_examples(ev.path)
+    else:
+        from asyncrl.tasks.hf_data import read_hf_examples
+
+        if ev.path:
+            split = "train" if Path(ev.path).is_file() else ev.split  # a file is one split
+            return read_hf_examples(data, ev.path, split, "eval.path", limit)
+        if Path(data.path).is_file():
+            raise ConfigError(
+                f"eval.path: data.path {data.path} is one file (split train only); give the "
+                "evaluation prompts as eval.path"
+            )
+        return read_hf_examples(data, data.path, ev.split, "eval.split", limit)
+    return examples[:limit] if limit else examples
+
+
+def eval_seed(seed: int, index: int) -> int:
+    """The noise seed of evaluation prompt `index`: apart from every training group's."""
+    digest = hashlib.sha256(f"asyncrl-eval:{seed}:{index}".encode()).digest()
+    return int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)
+
+
+@dataclass
+class PromptResult:
+    """One evaluation prompt's samples: rewards [k], reward components, generated tokens, and
+    whether its reward call failed (then the rewards are zeros)."""
+
+    rewards: torch.Tensor
+    components: dict[str, torch.Tensor]
+    tokens: int
+    failed: bool = False
+
+
+class Evaluator:
+    """Evaluates weights on `examples` with a private copy of `model` (the architecture; the
+    weights come with each `evaluate` call), on `rollout.device` in `rollout.dtype`."""
+
+    def __init__(
+        self,
+        config: Config,
+        model: PreTrainedModel,
+        tokenizer: PreTrainedTokenizerBase,
+        task: Task,
+        examples: Sequence[Example],
+        pool: RewardPool,
+        eos_id: int,
+        pad_id: int,
+    ) -> None:
+        self.config = config.eval
+        self.seed = config.run.seed
+        self.max_num_steps = config.run.max_num_steps
+        rollout = config.rollout
+        max_len = int(getattr(model.config, "max_position_embeddings", 1 << 30))
+        self.prompts = encode_prompts(list(examples), tokenizer, rollout.max_new_tokens, max_len)
+        self.scorer = Scorer(task, tokenizer, pool, examples)
+        self.weights = CopyWeightSync(1, rollout.device, DTYPES[rollout.dtype])
+        spec = EngineSpec(
+            model,
+            eos_id,
+            pad_id,
+            rollout.max_new_tokens,
+            self.config.temperature,
+            rollout.device,
+            rollout.dtype,
+            keep_cache_between_chunks=False,
+        )
+        self.engine = TorchGenerationEngine(spec, self.weights)
+
+    def due(self, version: int) -> bool:
+        """Whether weights `version` (after step version-1) are evaluated: every
+        `every_steps`-th, and the last."""
+        every = self.config.every_steps
+        return bool(every) and (version % every == 0 or version == self.max_num_steps)
+
+    def evaluate(self, version: int, weights: Mapping[str, torch.Tensor]) -> dict[str, float]:
+        """The `eval/...` metrics of `weights` (published to the private engine as `version`)."""
+        start = time.perf_counter()
+        self.weights.publish(version, weights)
+        k = self.config.num_samples
+        sampled = self._run(version, k, self.config.temperature)
+        metrics = self._summary(sampled, k)
+        if self.config.greedy:
+            greedy = self._run(version, 1, 0.0)
+            rewards = torch.cat([p.rewards for p in greedy])
+            metrics["eval/greedy_reward"] = float(rewards.mean())
+            metrics["eval/greedy_pass"] = float(self._passes(rewards).float().mean())
+            metrics["eval/reward_failures"] += sum(p.failed for p in greedy)
+        metrics["eval/seconds"] = time.perf_counter() - start
+        return metrics
+
+    def _summary(self, sampled: list[PromptResult], k: int) -> dict[str, float]:
+        rewards = torch.stack([p.rewards for p in sampled])  # [prompts, k]
+        passes = self._passes(rewards).float()
+        metrics = {
+            "eval/reward_mean": float(rewards.mean()),
+            "eval/pass@1": float(passes.mean()),
+            f"eval/pass@{k}": float((passes.sum(1) > 0).float().mean()),
+            "eval/completion_tokens": sum(p.tokens for p in sampled) / rewards.numel(),
+            "eval/reward_failures": float(sum(p.failed for p in sampled)),
+            "eval/num_examples": float(len(sampled)),
+        }
+        for name in sorted({n for p in sampled for n in p.components}):
+            parts = [p.components[name] for p in sampled if name in p.components]
+            metrics[f"eval/reward/{name}"] = float(torch.cat(parts).mean())
+        return metrics
+
+    def _passes(self, rewards: torch.Tensor) -> torch.Tensor:
+        return rewards >= self.config.pass_threshold
+
+    def _run(self, version: int, samples: int, temperature: float) -> list[PromptResult]:
+        """Every evaluation prompt's `samples` samples at `temperature` (0: greedy), scored."""
+        out: list[PromptResult] = []
+        batch = self.config.batch_prompts
+        with self._temperature(temperature):
+            for first in range(0, len(self.prompts), batch):
+                indices = list(range(first, min(first + batch, len(self.prompts))))
+                requests = [
+                    GenerationRequest(self.prompts[i], samples, eval_seed(self.seed, i))
+                    for i in indices
+                ]
+                outputs = self.engine.generate(requests, version)
+                tickets = [PromptTicket(-1 - i, -1, 0, i, i) for i in indices]  # no ordinal
+                results = self.scorer.results(list(zip(tickets, outputs, strict=True)))
+                for result, output in zip(results, outputs, strict=True):
+                    tokens = int(output.completion_mask.sum())
+                    if isinstance(result, Scored):
+                        out.append(PromptResult(result.rewards, result.components, tokens))
+                    else:  # counted, scored as failed: an evaluation never stops training
+                        out.append(PromptResult(torch.zeros(samples), {}, tokens, failed=True))
+        return out
+
+    @contextlib.contextmanager
+    def _temperature(self, temperature: float) -> Iterator[None]:
+        """The engine samples at `temperature` inside the block (0: greedy)."""
+        saved, self.engine.temperature = self.engine.temperature, temperature
+        try:
+            yield
+        finally:
+            self.engine.temperature = saved
+
+
+def eval_line(record: Mapping[str, float]) -> str:
+    """One line for the terminal: a step record's evaluation results."""
+    passes = " ".join(
+        f"{key[5:]}={record[key]:.3f}" for key in record if key.startswith("eval/pass@")
+    )
+    greedy = f" greedy={record['eval/greedy_reward']:.3f}" if "eval/greedy_reward" in record else ""
+    return (
+        f"eval after step {record['step']}: reward={record['eval/reward_mean']:.3f} {passes}"
+        f"{greedy} ({int(record['eval/num_examples'])} prompts, {record['eval/seconds']:.1f} s)"
+    )

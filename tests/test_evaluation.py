@@ -1,0 +1,133 @@
+"""Evaluation: greedy decoding equals `transformers`' own, pass@k and pass@1 by hand, a failing
+reward is counted and never stops training, eval prompts come from the split asked for, and a
+deterministic run trains the same bits with evaluation on or off."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from helpers import read_records, small_config
+from test_determinism import fingerprint
+
+from asyncrl.audit import audit_run_dir
+from asyncrl.config import ConfigError
+from asyncrl.config_keys import build_config
+from asyncrl.rollout.engine import GenerationRequest
+from asyncrl.tasks.source import sort_digits_examples
+from asyncrl.train.components import build_components
+from asyncrl.train.evaluation import Evaluator, PromptResult, eval_examples
+from asyncrl.train.trainer import train
+
+
+def evaluator_of(*overrides: str) -> tuple[Evaluator, object]:
+    parts = build_components(small_config("eval.every_steps=1", *overrides))
+    assert parts.evaluator is not None
+    return parts.evaluator, parts
+
+
+def test_greedy_decoding_is_transformers_greedy_generate():
+    evaluator, parts = evaluator_of("eval.max_examples=6", "eval.batch_prompts=4")
+    model = parts.policy.model
+    with evaluator._temperature(0.0):
+        evaluator.weights.publish(1, parts.algo.policy_weights())
+        ours = evaluator.engine.generate([GenerationRequest(p, 1, 0) for p in evaluator.prompts])
+    for prompt, out in zip(evaluator.prompts, ours, strict=True):
+        expected = model.generate(
+            torch.tensor([prompt]),
+            do_sample=False,
+            max_new_tokens=5,
+            eos_token_id=parts.policy.eos_id,
+            pad_token_id=parts.policy.pad_id,
+        )[0, len(prompt) :]
+        got = out.completion_ids[0][out.completion_mask[0]]
+        assert got.tolist() == expected[: len(got)].tolist()
+        assert len(got) == len(expected) or got[-1] == parts.policy.eos_id
+
+
+def test_pass_at_k_and_pass_at_1_by_hand():
+    evaluator, _ = evaluator_of("eval.num_samples=3", "eval.pass_threshold=0.5")
+    results = [
+        PromptResult(torch.tensor([1.0, 0.0, 0.0]), {"c": torch.tensor([1.0, 0.0, 0.0])}, 6),
+        PromptResult(torch.tensor([0.2, 0.4, 0.0]), {"c": torch.tensor([0.0, 0.0, 0.0])}, 3),
+        PromptResult(torch.tensor([0.5, 1.0, 0.9]), {"c": torch.tensor([1.0, 1.0, 1.0])}, 9),
+        PromptResult(torch.zeros(3), {}, 3, failed=True),
+    ]
+    metrics = evaluator._summary(results, 3)
+    assert metrics["eval/pass@3"] == pytest.approx(2 / 4)  # prompts 0 and 2
+    assert metrics["eval/pass@1"] == pytest.approx((1 + 0 + 3 + 0) / 12)
+    assert metrics["eval/reward_mean"] == pytest.approx(4.0 / 12)
+    assert metrics["eval/reward/c"] == pytest.approx(4 / 9)  # the failed prompt has no parts
+    assert metrics["eval/completion_tokens"] == pytest.approx(21 / 12)
+    assert metrics["eval/reward_failures"] == 1
+
+
+def test_a_failing_reward_is_counted_and_training_goes_on(tmp_path):
+    for name, modulo in (("train", 7), ("eval", 10)):  # answer 7 only in eval
+        lines = [
+            json.dumps({"prompt": f"{d}=", "answer": str(d % modulo)}) + "\n" for d in range(10)
+        ]
+        (tmp_path / f"{name}.jsonl").write_text("".join(lines))
+    config = small_config(
+        "data.task=jsonl",
+        f"data.path={tmp_path / 'train.jsonl'}",
+        "data.reward_fn=failing_rewards:raises_on_7",
+        f"eval.path={tmp_path / 'eval.jsonl'}",
+        "eval.every_steps=2",
+        "eval.num_samples=2",
+        "run.max_num_steps=2",
+    )
+    train(config, tmp_path / "run")
+    (last,) = [r for r in read_records(tmp_path / "run" / "metrics.jsonl") if r["step"] == 1]
+    assert last["eval/num_examples"] == 10
+    assert last["eval/reward_failures"] == 2  # row 7, sampled and greedy
+    events = [e for e in read_records(tmp_path / "run" / "events.jsonl") if e["event"] == "eval"]
+    assert [(e["step"], e["version"]) for e in events] == [(1, 2)]
+
+
+def test_eval_prompts_come_from_the_path_or_split_asked_for(tmp_path):
+    import datasets
+
+    rows = [{"prompt": f"{d}=", "answer": str(d)} for d in range(10)]
+    saved = tmp_path / "saved"
+    datasets.DatasetDict(
+        {"train": datasets.Dataset.from_list(rows), "test": datasets.Dataset.from_list(rows[:3])}
+    ).save_to_disk(str(saved))
+    hf = ["data.task=hf", f"data.path={saved}"]
+    assert len(eval_examples(build_config({}, [*hf, "eval.split=test"]))) == 3
+    assert len(eval_examples(build_config({}, [*hf, "eval.split=train", "eval.max_examples=4"])))
+    one = tmp_path / "one.jsonl"
+    one.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    with pytest.raises(ConfigError, match=r"eval\.path: data\.path .* is one file"):
+        eval_examples(build_config({}, ["data.task=hf", f"data.path={one}"]))
+    held_out = [e.prompt for e in eval_examples(build_config({}, ["eval.max_examples=50"]))]
+    training = [e.prompt for e in sort_digits_examples(5, 4096)]
+    assert len(held_out) == 50 and held_out != training[:50]
+    assert len(set(held_out) & set(training)) < 10  # another draw (a few coincide by chance)
+    assert held_out == [e.prompt for e in eval_examples(build_config({}, ["eval.max_examples=50"]))]
+
+
+@pytest.mark.slow
+def test_a_deterministic_run_trains_the_same_bits_with_evaluation_on_or_off(tmp_path, monkeypatch):
+    common = [
+        "run.deterministic=true", "run.max_num_steps=8", "rollout.groups_per_batch=2",
+        "checkpoint.save_period=3", "data.num_examples=20",
+    ]  # fmt: skip
+    train(small_config(*common), tmp_path / "off")
+    train(small_config(*common, "eval.every_steps=3", "eval.max_examples=16"), tmp_path / "on")
+    evaluated = [r for r in read_records(tmp_path / "on" / "metrics.jsonl") if "eval/pass@4" in r]
+    assert [r["step"] for r in evaluated] == [2, 5, 7]
+    assert fingerprint(tmp_path / "on") == fingerprint(tmp_path / "off")
+    assert audit_run_dir(tmp_path / "on").ok
+    # negative control: an evaluation that touches the trainer's weights is caught
+    real = Evaluator.evaluate
+
+    def meddling(self, version, weights):
+        with torch.no_grad():
+            next(iter(weights.values())).add_(1e-3)
+        return real(self, version, weights)
+
+    monkeypatch.setattr(Evaluator, "evaluate", meddling)
+    train(small_config(*common, "eval.every_steps=3", "eval.max_examples=16"), tmp_path / "bad")
+    assert fingerprint(tmp_path / "bad") != fingerprint(tmp_path / "off")
