@@ -44,7 +44,9 @@ FROZEN_CONFIG_KEYS = [
     "algo.critic_lr", "algo.value_clip_eps", "algo.critic_warmup_steps", "algo.tis_cap",
     "checkpoint.save_period", "checkpoint.keep_last", "checkpoint.resume_policy",
     "checkpoint.staging_buffer",
-    "logging.progress", "logging.tensorboard", "logging.plot",
+    "logging.progress", "logging.tensorboard", "logging.plot", "logging.wandb",
+    "logging.wandb_project", "logging.wandb_run_name", "logging.mlflow",
+    "logging.mlflow_tracking_uri", "logging.mlflow_experiment",
     "ray.address", "ray.num_cpus_per_worker",
 ]  # fmt: skip
 
