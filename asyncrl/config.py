@@ -386,6 +386,21 @@ class LoggingConfig:
     plot: bool = field(default=True, metadata=MAY_CHANGE)
     """At the end of the run, write `reward_curve.png` and the four `plots/` PNGs of
     `asyncrl plot`."""
+    wandb: bool = field(default=False, metadata=MAY_CHANGE)
+    """Also log every metric to Weights & Biases (`pip install wandb`; files under
+    `RUN_DIR/wandb/`, `WANDB_MODE` honoured); a resume continues the same W&B run."""
+    wandb_project: str = field(default="asyncrl", metadata=MAY_CHANGE)
+    """The W&B project of `logging.wandb`."""
+    wandb_run_name: str = field(default="", metadata=MAY_CHANGE)
+    """The W&B run's display name; empty: the run dir's name."""
+    mlflow: bool = field(default=False, metadata=MAY_CHANGE)
+    """Also log every metric to MLflow (`pip install mlflow-skinny`); a resume continues the
+    same MLflow run. See docs/trackers.md."""
+    mlflow_tracking_uri: str = field(default="", metadata=MAY_CHANGE)
+    """Where `logging.mlflow` logs (a server URL, a path or `file:` URI, `sqlite:///...`);
+    empty: a local file store in `RUN_DIR/mlruns/`."""
+    mlflow_experiment: str = field(default="asyncrl", metadata=MAY_CHANGE)
+    """The MLflow experiment of `logging.mlflow` (created if missing)."""
 
 
 @dataclass

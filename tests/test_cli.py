@@ -49,7 +49,9 @@ FROZEN_CONFIG_KEYS = [
     "checkpoint.staging_buffer",
     "eval.every_steps", "eval.path", "eval.split", "eval.max_examples", "eval.num_samples",
     "eval.temperature", "eval.greedy", "eval.pass_threshold", "eval.batch_prompts",
-    "logging.progress", "logging.tensorboard", "logging.plot",
+    "logging.progress", "logging.tensorboard", "logging.plot", "logging.wandb",
+    "logging.wandb_project", "logging.wandb_run_name", "logging.mlflow",
+    "logging.mlflow_tracking_uri", "logging.mlflow_experiment",
     "ray.address", "ray.num_cpus_per_worker",
 ]  # fmt: skip
 

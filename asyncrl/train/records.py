@@ -1,4 +1,5 @@
-"""What a run writes as it goes: JSON-lines files and optional TensorBoard scalars.
+"""What a run writes as it goes: JSON-lines files, and optional TensorBoard scalars and
+experiment trackers (`asyncrl.train.trackers`).
 
 Each line is flushed when written, so a killed run leaves every completed record on disk.
 """
@@ -7,12 +8,15 @@ from __future__ import annotations
 
 import hashlib
 import json
+import sys
 import threading
 import time
 from pathlib import Path
 from typing import Any, Protocol
 
+from asyncrl.config import LoggingConfig
 from asyncrl.core.types import Group
+from asyncrl.train.trackers import MlflowSink, WandbSink
 
 
 class MetricsSink(Protocol):
@@ -169,12 +173,15 @@ def token_staleness(step: int, groups: list[Group]) -> float:
 
 
 class RunLogs:
-    """The run's append-only logs: `events.jsonl`, `metrics.jsonl` (plus TensorBoard if asked
-    for) and `timeline.jsonl`. Opened together, closed together (also when a launch fails
-    before training starts)."""
+    """The run's append-only logs: `events.jsonl`, `metrics.jsonl` (plus TensorBoard, W&B and
+    MLflow if asked for: `logging.*`) and `timeline.jsonl`. Opened together, closed together
+    (also when a launch fails before training starts). `config` is `Config.to_dict()`, which
+    the trackers record with their runs."""
 
-    def __init__(self, run_dir: Path, tensorboard: bool) -> None:
-        opened: list[JsonlLog | TensorBoardSink] = []
+    def __init__(
+        self, run_dir: Path, logging: LoggingConfig, config: dict[str, Any] | None = None
+    ) -> None:
+        opened: list[JsonlLog | MetricsSink] = []
         try:
             self.events = EventLog(run_dir / "events.jsonl")
             opened.append(self.events)
@@ -183,13 +190,17 @@ class RunLogs:
             self.timeline = JsonlLog(run_dir / "timeline.jsonl")
             opened.append(self.timeline)
             self.sinks: list[MetricsSink] = [self.metrics]
-            if tensorboard:
-                board = TensorBoardSink(run_dir / "tensorboard")
-                opened.append(board)
-                self.sinks.append(board)
+            for wanted, make in (
+                (logging.tensorboard, lambda: TensorBoardSink(run_dir / "tensorboard")),
+                (logging.wandb, lambda: WandbSink(run_dir, logging, config or {})),
+                (logging.mlflow, lambda: MlflowSink(run_dir, logging, config or {})),
+            ):
+                if wanted:
+                    sink = make()
+                    opened.append(sink)
+                    self.sinks.append(sink)
         except BaseException:
-            for log in opened:
-                log.close()
+            _close_all(opened)
             raise
 
     def write_step(self, record: dict[str, Any]) -> None:
@@ -197,7 +208,18 @@ class RunLogs:
             sink.write(record)
 
     def close(self) -> None:
-        for sink in self.sinks[1:]:
-            sink.close()
-        for log in (self.metrics, self.events, self.timeline):
+        _close_all([*self.sinks[1:], self.metrics, self.events, self.timeline])
+
+
+def _close_all(logs: list[Any]) -> None:
+    """Closes each of `logs`, even when one fails (a tracker's server gone): the JSON-lines
+    files are always closed; the first error is raised after, unless the launch is already
+    failing with another (that one says what went wrong)."""
+    first: BaseException | None = None
+    for log in logs:
+        try:
             log.close()
+        except Exception as err:
+            first = first or err
+    if first is not None and sys.exc_info()[0] is None:
+        raise first

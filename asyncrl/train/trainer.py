@@ -93,7 +93,7 @@ class Trainer:
         if config.run.torch_threads:
             torch.set_num_threads(config.run.torch_threads)
         torch.use_deterministic_algorithms(config.run.deterministic)  # process-wide: set both ways
-        self.logs = RunLogs(self.run_dir, config.logging.tensorboard)
+        self.logs = RunLogs(self.run_dir, config.logging, config.to_dict())
         try:
             self.parts = build_components(config, self._on_batch)
         except BaseException:
