@@ -4,6 +4,8 @@
 2. `timeline.png`     generation and training spans over wall time (whole run and a close-up)
 3. `staleness.png`    step - generation version: its distribution, and per step
 4. `ledger.png`       ordinals trained / buffered / in flight / pending over time, and skipped
+5. `eval.png`         evaluation: mean reward, pass@1, pass@k and greedy against step (only for
+                      runs with `eval.every_steps`)
 
 Each `figure_*` function returns a matplotlib Figure (tests inspect them); `write_plots` saves
 them. Times on the time axes are seconds since the run's first launch, gaps included.
@@ -193,8 +195,40 @@ def figure_ledger(metrics: Records, events: Records, timeline: Records, n: int) 
     return fig
 
 
+def figure_eval(metrics: Records) -> Figure:
+    """The `eval/...` results of the steps that were evaluated, against step, with the
+    training reward for comparison."""
+    records = latest_records(metrics)
+    evaluated = [r for r in records if "eval/reward_mean" in r]
+    fig, ax = plt.subplots(figsize=(8, 4.5))
+    steps = [r["step"] for r in evaluated]
+    keys = ["eval/reward_mean", "eval/pass@1"]
+    keys += sorted({k for r in evaluated for k in r if k.startswith("eval/pass@")} - set(keys))
+    keys += ["eval/greedy_reward"]
+    for key in keys:
+        points = [(r["step"], r[key]) for r in evaluated if key in r]
+        if points:
+            ax.plot(*zip(*points, strict=True), marker="o", label=key[5:])
+    ax.plot(
+        [r["step"] for r in records],
+        [r["reward_mean"] for r in records],
+        color="0.7",
+        linewidth=0.8,
+        label="training reward",
+    )
+    ax.set_xlabel("step (weights after it)")
+    ax.set_ylabel("reward / pass rate")
+    ax.set_title(f"evaluation ({int(evaluated[-1]['eval/num_examples'])} prompts)" if steps else
+                 "evaluation (none recorded)")  # fmt: skip
+    ax.legend(loc="best", fontsize=8)
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    return fig
+
+
 def write_plots(run_dir: Path) -> list[Path]:
-    """Renders all four plots into `run_dir/plots/`; returns their paths."""
+    """Renders the plots into `run_dir/plots/` (`eval.png` only for a run that evaluated);
+    returns their paths."""
     config = yaml.safe_load((run_dir / "config.yaml").read_text())
     n = int(config["rollout"]["num_prompts_per_step"])
     age = int(config["rollout"]["max_trajectory_age_steps"])
@@ -209,6 +243,8 @@ def write_plots(run_dir: Path) -> list[Path]:
         "staleness.png": figure_staleness(metrics, age),
         "ledger.png": figure_ledger(metrics, events, timeline, n),
     }
+    if any("eval/reward_mean" in r for r in metrics):
+        figures["eval.png"] = figure_eval(metrics)
     paths = []
     for name, fig in figures.items():
         fig.savefig(out / name, dpi=100)

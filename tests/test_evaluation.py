@@ -131,3 +131,19 @@ def test_a_deterministic_run_trains_the_same_bits_with_evaluation_on_or_off(tmp_
     monkeypatch.setattr(Evaluator, "evaluate", meddling)
     train(small_config(*common, "eval.every_steps=3", "eval.max_examples=16"), tmp_path / "bad")
     assert fingerprint(tmp_path / "bad") != fingerprint(tmp_path / "off")
+
+
+def test_the_eval_plot_draws_each_evaluated_step(tmp_path):
+    from asyncrl.plots import figure_eval, write_plots
+
+    run = tmp_path / "run"
+    config = small_config("eval.every_steps=2", "eval.max_examples=8", "run.max_num_steps=5")
+    train(config, run)
+    records = read_records(run / "metrics.jsonl")
+    figure = figure_eval(records)
+    lines = {line.get_label(): line for line in figure.axes[0].get_lines()}
+    assert list(lines["pass@4"].get_xdata()) == [1, 3, 4]
+    expected = [r["eval/reward_mean"] for r in records if "eval/reward_mean" in r]
+    assert list(lines["reward_mean"].get_ydata()) == expected
+    assert run / "plots" / "eval.png" in write_plots(run)
+    assert (run / "plots" / "eval.png").read_bytes()[:4] == b"\x89PNG"
