@@ -63,7 +63,10 @@ def corpus() -> Iterator[str]:
 def prepare(out: str | Path, test_rows: int = 64, seed: int = 0) -> dict[str, Path]:
     """Writes the example's files into `out` (kept if already there); returns their paths."""
     import datasets
+    import transformers
 
+    datasets.disable_progress_bars()
+    transformers.utils.logging.disable_progress_bar()
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     paths = {"train": out / "train.parquet", "test": out / "test.parquet", "model": out / "model"}
