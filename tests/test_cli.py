@@ -16,6 +16,7 @@ FROZEN_COMMANDS = {
     "inspect": {"run_dir", "--json"},
     "audit": {"run_dir"},
     "plot": {"run_dir"},
+    "export": {"run_dir", "--checkpoint", "out"},
 }
 
 FROZEN_CONFIG_KEYS = [
