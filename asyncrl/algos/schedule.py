@@ -92,6 +92,9 @@ class StepSchedule:
         self._place(int(state["last_epoch"]))
 
     def _place(self, step: int) -> None:
-        """The schedule at `step`, the optimizer's lr that step's (LambdaLR computes it)."""
+        """The schedule at `step`, the optimizer's lr that step's (LambdaLR computes it). Its
+        count of `step()` calls is left as it was: a state loaded and saved again is the same."""
+        num_calls = self.scheduler._step_count
         self.scheduler.last_epoch = step - 1
         self.advance()
+        self.scheduler._step_count = num_calls
