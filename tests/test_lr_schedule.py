@@ -15,6 +15,7 @@ from helpers import read_records, small_config
 
 from asyncrl.algos.schedule import StepSchedule
 from asyncrl.config import ConfigError
+from asyncrl.config_keys import resume_rule
 from asyncrl.train.components import build_components
 from asyncrl.train.trainer import train
 
@@ -118,3 +119,10 @@ def test_a_checkpoint_from_before_schedules_resumes_at_its_step():
     expected = (1 + math.cos(math.pi * (3 - 2) / 4)) / 2
     assert algo.schedule.start(3) == pytest.approx(3e-4 * expected)
     assert algo.critic_schedule.start(3) == pytest.approx(algo.options.critic_lr * expected)
+
+
+def test_changing_the_schedule_on_resume_is_refused_but_the_horizon_may_move():
+    # a changed schedule changes what the remaining steps train: semantics-bearing, refused
+    # unless --force-config; run.max_num_steps may change (the decay's end moves with it)
+    assert resume_rule("algo.lr_schedule") == resume_rule("algo.warmup_steps") == "semantic"
+    assert resume_rule("run.max_num_steps") == "may_change"
