@@ -124,8 +124,10 @@ def _alphabet(data: DataConfig) -> set[str]:
     without resolving the reward function (export runs no code of the run's)."""
     if data.task == "sort_digits":
         examples = sort_digits_examples(data.num_digits, data.num_examples)
-    else:
+    elif data.task == "jsonl":
         examples = read_jsonl_examples(data.path)
+    else:  # a task added without teaching export its alphabet: refuse, never guess
+        raise ExportError(f"data.task={data.task!r}: no alphabet for the tiny preset's tokenizer")
     return {c for e in examples for c in e.prompt + e.answer}
 
 
