@@ -1,7 +1,8 @@
 """`asyncrl` command line.
 
 Exit codes: 0 done; 1 the run failed, or `audit` found violations, or `inspect` found no
-verified checkpoint; 2 bad input (config, data, run dir) with a message naming what to fix;
+verified checkpoint; 2 bad input (config, data, run dir; for `export` also no verified or no
+such checkpoint, OUT not empty) with a message naming what to fix;
 75 stopped by SIGTERM/SIGINT after writing a checkpoint (run the same command to resume);
 130 a second signal aborted at once.
 """
@@ -49,6 +50,10 @@ def build_parser() -> argparse.ArgumentParser:
     audit.add_argument("run_dir", help="a run dir")
     plot = commands.add_parser("plot", help="write the run's plots into DIR/plots/")
     plot.add_argument("run_dir", help="a run dir")
+    export = commands.add_parser("export", help="a checkpoint's policy as a save_pretrained dir")
+    export.add_argument("run_dir", help="a run dir")
+    export.add_argument("--checkpoint", metavar="step_N", help="default: the newest verified")
+    export.add_argument("out", help="directory to write (new or empty)")
     return parser
 
 
@@ -139,9 +144,28 @@ def _plot(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def _export(args: argparse.Namespace) -> int:
+    from asyncrl.checkpoint.store import CheckpointError
+    from asyncrl.export import ExportError, describe, export_checkpoint
+
+    try:
+        exported = export_checkpoint(Path(args.run_dir), Path(args.out), args.checkpoint)
+    except (ExportError, CheckpointError, ConfigError) as err:
+        print(f"asyncrl: error: {err}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    print(describe(exported))
+    return EXIT_OK
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    commands = {"train": _train, "inspect": _inspect, "audit": _audit, "plot": _plot}
+    commands = {
+        "train": _train,
+        "inspect": _inspect,
+        "audit": _audit,
+        "plot": _plot,
+        "export": _export,
+    }
     return commands[args.command](args)
 
 

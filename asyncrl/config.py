@@ -290,7 +290,15 @@ class AlgoConfig:
     them). `grpo` is group-normalised advantages without a critic; the others are described in
     docs/algorithms.md."""
     lr: float = 3e-4
-    """AdamW learning rate of the policy."""
+    """AdamW learning rate of the policy (its peak, under `algo.lr_schedule`)."""
+    lr_schedule: Literal["constant", "linear", "cosine"] = "constant"
+    """The learning rate of training step t as transformers' `get_*_schedule_with_warmup`
+    make it: `lr * t / warmup_steps` while t < `warmup_steps` (0 at step 0), then `lr`
+    (`constant`), or a `linear` or half-`cosine` decay to 0 at step `run.max_num_steps`. PPO's
+    critic follows the same shape from `critic_lr`. Raising `run.max_num_steps` on resume moves
+    where the decay ends: the steps still to train get the new horizon's learning rates."""
+    warmup_steps: int = 0
+    """Training steps of linear learning-rate warm-up from 0 (see `lr_schedule`); 0: none."""
     weight_decay: float = 0.0
     """AdamW weight decay (policy and critic)."""
     adam_beta1: float = 0.9
@@ -330,6 +338,7 @@ class AlgoConfig:
 
     def validate(self) -> None:
         _require(self.lr > 0, "algo.lr", self.lr, "> 0")
+        _require(self.warmup_steps >= 0, "algo.warmup_steps", self.warmup_steps, ">= 0")
         _require(self.weight_decay >= 0, "algo.weight_decay", self.weight_decay, ">= 0")
         _require(0 <= self.adam_beta1 < 1, "algo.adam_beta1", self.adam_beta1, "in [0, 1)")
         _require(0 <= self.adam_beta2 < 1, "algo.adam_beta2", self.adam_beta2, "in [0, 1)")

@@ -16,6 +16,7 @@ FROZEN_COMMANDS = {
     "inspect": {"run_dir", "--json"},
     "audit": {"run_dir"},
     "plot": {"run_dir"},
+    "export": {"run_dir", "--checkpoint", "out"},
 }
 
 FROZEN_CONFIG_KEYS = [
@@ -36,7 +37,8 @@ FROZEN_CONFIG_KEYS = [
     "rollout.vllm.max_model_len", "rollout.vllm.max_num_seqs", "rollout.vllm.enforce_eager",
     "rollout.vllm.enable_prefix_caching", "rollout.vllm.multiprocessing",
     "train.device", "train.dtype", "train.micro_batch_size", "train.shared_prompts",
-    "algo.name", "algo.lr", "algo.weight_decay", "algo.adam_beta1", "algo.adam_beta2",
+    "algo.name", "algo.lr", "algo.lr_schedule", "algo.warmup_steps", "algo.weight_decay",
+    "algo.adam_beta1", "algo.adam_beta2",
     "algo.adam_epsilon", "algo.loss_aggregation", "algo.max_grad_norm", "algo.clip_eps",
     "algo.kl_coef", "algo.kl_estimator", "algo.entropy_coef",
     # the `grpo` algorithm's own keys (asyncrl/algos/grpo.py GRPOOptions)

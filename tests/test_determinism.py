@@ -1,9 +1,10 @@
 """Deterministic mode (I5): a run killed with SIGKILL and resumed is bit-for-bit the run it
-would have been — per-step loss, reward, sampled tokens and the final weights."""
+would have been — per-step loss, reward, sampled tokens, learning rate and the final weights."""
 
 from __future__ import annotations
 
 import hashlib
+import itertools
 import os
 import signal
 import subprocess
@@ -84,11 +85,11 @@ def resume_step(run_dir: Path) -> int:
 
 
 def fingerprint(run_dir: Path) -> tuple[list[tuple], str]:
-    """Per step (the record that counts): loss, reward_mean, sampled-token digest; and a hash
-    of the final weights, tensor by tensor."""
+    """Per step (the record that counts): loss, reward_mean, sampled-token digest, learning
+    rate; and a hash of the final weights, tensor by tensor."""
     final = {r["step"]: r for r in read_records(run_dir / "metrics.jsonl")}
     steps = [
-        (t, final[t]["loss"], final[t]["reward_mean"], final[t]["tokens_sha256"])
+        (t, final[t]["loss"], final[t]["reward_mean"], final[t]["tokens_sha256"], final[t]["lr"])
         for t in sorted(final)
     ]
     weights = load_file(run_dir / "final_model" / "model.safetensors")
@@ -185,6 +186,42 @@ def test_a_ppo_resume_that_skips_restoring_the_critic_is_caught(tmp_path, repo_r
     run_to_kill(run, repo_root, "checkpoint.parent_fsynced:2", extra)  # durable step 6
     code = finish(run, repo_root, skip="critic", extra=extra)
     assert code == 0 and fingerprint(run) != ppo_reference
+
+
+COSINE = ("algo.lr_schedule=cosine", "algo.warmup_steps=8")
+"""A learning rate that changes every step: warm-up over steps 0-7, then a cosine decay to 0 at
+step 24. The first kill below lands mid-warm-up, the second mid-decay."""
+
+
+@pytest.fixture(scope="module")
+def cosine_reference(tmp_path_factory, request) -> tuple[list[tuple], str]:
+    return uninterrupted(tmp_path_factory, request, COSINE)
+
+
+def test_a_cosine_schedule_killed_mid_warmup_and_mid_decay_resumes_the_same_lrs(
+    tmp_path, repo_root, cosine_reference
+):
+    run = tmp_path / "run"
+    run_to_kill(run, repo_root, "checkpoint.parent_fsynced:2", COSINE)  # durable step 6
+    run_to_kill(run, repo_root, f"train.weights_published:{13 - resume_step(run) + 1}", COSINE)
+    assert finish(run, repo_root, extra=COSINE) == 0
+    assert {r["attempt"] for r in read_records(run / "metrics.jsonl")} == {0, 1, 2}
+    lrs = [step[-1] for step in cosine_reference[0]]
+    assert lrs[0] == 0 and lrs[8] == max(lrs), "warm-up to the peak at step 8"
+    assert all(a != b for a, b in itertools.pairwise(lrs)), "it changes every step"
+    assert fingerprint(run) == cosine_reference
+
+
+def test_a_resume_that_skips_restoring_the_lr_schedule_is_caught(
+    tmp_path, repo_root, cosine_reference
+):
+    run = tmp_path / "run"
+    run_to_kill(run, repo_root, "checkpoint.parent_fsynced:2", COSINE)  # durable step 6
+    assert finish(run, repo_root, skip="algorithm.lr_scheduler", extra=COSINE) == 0
+    steps, _ = fingerprint(run)
+    # the schedule starts over at step 6: warm-up again, where the reference was at its peak
+    assert [s[-1] for s in steps[6:]] != [s[-1] for s in cosine_reference[0][6:]]
+    assert steps[6][-1] == 0.0
 
 
 RAY = ("rollout.backend=ray", "rollout.num_workers=2")

@@ -161,6 +161,8 @@ def test_force_config_resumes_with_a_changed_key_and_records_it(tmp_path):
     train(changed, run, force_config=True)
     (resume,) = [e for e in read_records(run / "events.jsonl") if e["event"] == "resume"]
     assert resume["forced_config_changes"] == ["algo.lr: checkpoint=0.0003, now=0.001"]
+    # and it takes effect: the lr schedule's base is the config's, not the saved optimizer's
+    assert [r["lr"] for r in read_records(run / "metrics.jsonl")] == [3e-4, 3e-4, 1e-3, 1e-3]
     wider = small_config("run.max_num_steps=6", "algo.lr=0.001", "rollout.num_prompts_per_step=2")
     with pytest.raises(RunDirError, match="can never change in a run"):
         train(wider, run, force_config=True)

@@ -22,6 +22,7 @@ from asyncrl.checkpoint.store import CheckpointError
 from asyncrl.core.types import Group
 
 if TYPE_CHECKING:
+    from asyncrl.algos.schedule import StepSchedule
     from asyncrl.algos.update import ReferencePolicy
     from asyncrl.config import Config
     from asyncrl.models.policy import Policy
@@ -91,13 +92,17 @@ def check_reference(state: dict[str, Any], sha256: str | None) -> None:
 
 
 def policy_state(
-    name: str, optimizer: torch.optim.Optimizer, reference: ReferencePolicy | None
+    name: str,
+    optimizer: torch.optim.Optimizer,
+    schedule: StepSchedule,
+    reference: ReferencePolicy | None,
 ) -> dict[str, Any]:
-    """What every algorithm saves of its policy side: its name, the policy's optimizer and the
-    hash of its reference policy (None without a KL penalty)."""
+    """What every algorithm saves of its policy side: its name, the policy's optimizer and lr
+    schedule, and the hash of its reference policy (None without a KL penalty)."""
     return {
         "name": name,
         "optimizer": optimizer.state_dict(),
+        "lr_scheduler": schedule.state_dict(),
         "reference_sha256": reference.sha256 if reference else None,
     }
 
@@ -106,9 +111,12 @@ def load_policy_state(
     state: dict[str, Any],
     name: str,
     optimizer: torch.optim.Optimizer,
+    schedule: StepSchedule,
     reference: ReferencePolicy | None,
 ) -> None:
-    """Restores `policy_state`, refusing another algorithm's state or another reference."""
+    """Restores `policy_state`, refusing another algorithm's state or another reference. A
+    checkpoint from before lr schedules has no `lr_scheduler` (see `StepSchedule`)."""
     check_written_by(state, name)
     check_reference(state, reference.sha256 if reference else None)
     optimizer.load_state_dict(state["optimizer"])
+    schedule.load_state_dict(state.get("lr_scheduler"))

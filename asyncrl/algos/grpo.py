@@ -1,5 +1,6 @@
 """GRPO: group-normalised advantages, the clipped surrogate against the behaviour
-log-probs, AdamW. One optimizer step per training step over the step's N*G samples; an
+log-probs, AdamW at the step's scheduled learning rate (`algo.lr_schedule`). One optimizer
+step per training step over the step's N*G samples; an
 optional KL penalty to the reference policy and entropy bonus in the loss.
 
 The class is the template for critic-free algorithms: one that differs only in how it turns a
@@ -13,6 +14,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, Literal
 import torch
 
 from asyncrl.algos.base import load_policy_state, policy_state
+from asyncrl.algos.schedule import StepSchedule
 from asyncrl.algos.update import (
     ReferencePolicy,
     StepStats,
@@ -85,6 +87,7 @@ class GRPO:
         self.loss_fn = ClippedPolicyLoss(clip_eps=config.algo.clip_eps)
         self.max_new_tokens = config.rollout.max_new_tokens
         self.optimizer = adamw(self.model.parameters(), config.algo.lr, config.algo)
+        self.schedule = StepSchedule(self.optimizer, config.algo, config.run.max_num_steps)
 
     def advantages(self, rewards: torch.Tensor) -> torch.Tensor:
         """[N, G] rewards -> [N, G] advantages: `(r - mean) / (std + 1e-6)` per group, the std
@@ -101,6 +104,7 @@ class GRPO:
         weights, normaliser = loss_weights(mask, self.config.loss_aggregation, self.max_new_tokens)
         self.model.train()
         self.optimizer.zero_grad(set_to_none=True)
+        lr = self.schedule.start(step)
         loss_total, stats = 0.0, StepStats()
         tis_cap = getattr(self.config.options, "mismatch_tis_cap", 0.0)
         trainer_logprobs = []
@@ -153,6 +157,7 @@ class GRPO:
         grad_norm = apply_gradients(
             self.optimizer, self.model.parameters(), self.config.max_grad_norm
         )
+        self.schedule.advance()
         group_std = rewards.std(dim=1, unbiased=False)
         return {
             "loss": loss_total,
@@ -160,6 +165,7 @@ class GRPO:
             "reward_std": float(rewards.std(unbiased=False)),
             "zero_variance_groups": float((group_std == 0).float().mean()),
             "grad_norm": grad_norm,
+            "lr": lr,
             "num_tokens": float(mask.sum()),
             "completion_len": float(mask.sum(1).float().mean()),
             **stats.result(),
@@ -175,7 +181,7 @@ class GRPO:
         return self.model.state_dict()
 
     def state_dict(self) -> dict[str, Any]:
-        return policy_state(self.name, self.optimizer, self.reference)
+        return policy_state(self.name, self.optimizer, self.schedule, self.reference)
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        load_policy_state(state, self.name, self.optimizer, self.reference)
+        load_policy_state(state, self.name, self.optimizer, self.schedule, self.reference)

@@ -25,6 +25,7 @@ import numpy as np
 import torch
 
 from asyncrl.algos.base import load_policy_state, policy_state
+from asyncrl.algos.schedule import StepSchedule
 from asyncrl.algos.update import (
     ReferencePolicy,
     StepStats,
@@ -90,7 +91,7 @@ class PPOOptions:
     """Optimizer steps per epoch; the step's N*G samples are shuffled (seeded by `run.seed`,
     the step and the epoch) and split this many ways."""
     critic_lr: float = 1e-3
-    """AdamW learning rate of the critic."""
+    """AdamW learning rate of the critic (its peak, under `algo.lr_schedule`)."""
     value_clip_eps: float = 0.2
     """The value loss clips the new value to within this of the value at the start of the
     step; 0 disables value clipping."""
@@ -153,16 +154,21 @@ class PPO:
         self.value_loss = ClippedValueLoss(clip_eps=opt.value_clip_eps)
         self.optimizer = adamw(self.model.parameters(), algo.lr, algo)
         self.critic_optimizer = adamw(self.critic.parameters(), opt.critic_lr, algo)
+        # the critic's lr follows algo.lr_schedule too, from critic_lr
+        self.schedule = StepSchedule(self.optimizer, algo, config.run.max_num_steps)
+        self.critic_schedule = StepSchedule(self.critic_optimizer, algo, config.run.max_num_steps)
 
     def policy_weights(self) -> dict[str, torch.Tensor]:
         return self.model.state_dict()
 
     def state_dict(self) -> dict[str, Any]:
-        """The policy optimizer, the critic and its optimizer, and the reference's hash."""
+        """The policy optimizer and lr schedule, the critic, its optimizer and lr schedule, and
+        the reference's hash."""
         return {
-            **policy_state(self.name, self.optimizer, self.reference),
+            **policy_state(self.name, self.optimizer, self.schedule, self.reference),
             "critic": self.critic.state_dict(),
             "critic_optimizer": self.critic_optimizer.state_dict(),
+            "critic_lr_scheduler": self.critic_schedule.state_dict(),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -171,9 +177,10 @@ class PPO:
                 f"the checkpoint has no critic (it was written by algo.name="
                 f"{state.get('name')!r}); algo.name cannot change on resume"
             )
-        load_policy_state(state, self.name, self.optimizer, self.reference)
+        load_policy_state(state, self.name, self.optimizer, self.schedule, self.reference)
         self.critic.load_state_dict(state["critic"])
         self.critic_optimizer.load_state_dict(state["critic_optimizer"])
+        self.critic_schedule.load_state_dict(state.get("critic_lr_scheduler"))
 
     def _logprobs(self, batch: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:
         with autocast(self.device, self.dtype):
@@ -226,6 +233,7 @@ class PPO:
         self.model.train()
         self.critic.train()
         train_policy = step >= opt.critic_warmup_steps
+        lr, critic_lr = self.schedule.start(step), self.critic_schedule.start(step)
         slices = micro_batches(len(mask), self.micro_batch_size)
         reuse: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
         ref: torch.Tensor | None = None
@@ -325,6 +333,8 @@ class PPO:
                     )
                 for key, value in {**losses, **stats.result()}.items():
                     totals[key].append(value)
+        self.schedule.advance()
+        self.critic_schedule.advance()
         metrics = {key: float(np.mean(values)) for key, values in totals.items()}
         if ref is not None and opt.kl_in_reward:
             metrics["kl_ref"] = float(
@@ -343,6 +353,8 @@ class PPO:
             "advantage_std": float(raw[real].std(unbiased=False)),
             "explained_variance": explained_variance(old_values, returns, mask),
             "policy_updated": float(train_policy),
+            "lr": lr,
+            "critic_lr": critic_lr,
             **is_stats,
             **mismatch_stats(
                 old_logprobs, batch["behaviour_logprobs"], mask, batch["token_versions"] == step
