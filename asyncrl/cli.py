@@ -1,8 +1,8 @@
 """`asyncrl` command line.
 
 Exit codes: 0 done; 1 the run failed, or `audit` found violations, or `inspect` found no
-verified checkpoint; 2 bad input (config, data, run dir; for `export` also no verified or no
-such checkpoint, OUT not empty) with a message naming what to fix;
+verified checkpoint; 2 bad input (config, data, run dir; for `export` and `eval` also no
+verified or no such checkpoint, OUT not empty) with a message naming what to fix;
 75 stopped by SIGTERM/SIGINT after writing a checkpoint (run the same command to resume);
 130 a second signal aborted at once.
 """
@@ -54,6 +54,13 @@ def build_parser() -> argparse.ArgumentParser:
     export.add_argument("run_dir", help="a run dir")
     export.add_argument("--checkpoint", metavar="step_N", help="default: the newest verified")
     export.add_argument("out", help="directory to write (new or empty)")
+    evaluate = commands.add_parser("eval", help="evaluate a checkpoint (eval.* settings)")
+    evaluate.add_argument("run_dir", help="a run dir")
+    evaluate.add_argument("--checkpoint", metavar="step_N", help="default: the newest verified")
+    evaluate.add_argument("--json", action="store_true", help="machine-readable output")
+    evaluate.add_argument(
+        "overrides", nargs="*", metavar="eval.key=value", help="e.g. eval.num_samples=8"
+    )
     return parser
 
 
@@ -63,9 +70,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = build_parser()
     args, extra = parser.parse_known_args(argv)
     unknown = [item for item in extra if item.startswith("-") or "=" not in item]
-    if unknown or (extra and args.command != "train"):
+    if unknown or (extra and args.command not in ("train", "eval")):
         parser.error(f"unrecognized arguments: {' '.join(unknown or extra)}")
-    if args.command == "train":
+    if args.command in ("train", "eval"):
         args.overrides = [*args.overrides, *extra]
     return args
 
@@ -157,6 +164,31 @@ def _export(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def _eval(args: argparse.Namespace) -> int:
+    import json
+
+    from asyncrl.checkpoint.store import CheckpointError
+    from asyncrl.export import ExportError
+    from asyncrl.train.evaluation import evaluate_checkpoint
+
+    bad = [o for o in args.overrides if not o.startswith("eval.")]
+    if bad:
+        print(f"asyncrl: error: eval takes only eval.* overrides, got {bad}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    try:
+        step, metrics = evaluate_checkpoint(Path(args.run_dir), args.checkpoint, args.overrides)
+    except (ExportError, CheckpointError, ConfigError) as err:
+        print(f"asyncrl: error: {err}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    if args.json:
+        print(json.dumps({"step": step, **metrics}, indent=1))
+    else:
+        print(f"checkpoint step_{step} ({args.run_dir})")
+        for key, value in metrics.items():
+            print(f"  {key:<24} {value:.4f}")
+    return EXIT_OK
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     commands = {
@@ -165,6 +197,7 @@ def main(argv: list[str] | None = None) -> int:
         "audit": _audit,
         "plot": _plot,
         "export": _export,
+        "eval": _eval,
     }
     return commands[args.command](args)
 

@@ -39,7 +39,7 @@ from asyncrl.checkpoint.tensorfile import read_tensors
 from asyncrl.config import Config, DataConfig
 from asyncrl.config_keys import build_config
 from asyncrl.models.policy import Policy, load_policy
-from asyncrl.tasks.source import read_jsonl_examples, sort_digits_examples
+from asyncrl.tasks.source import alphabet, task_examples
 from asyncrl.train.rundir import check_coherent
 
 
@@ -120,15 +120,9 @@ def model_state(verified: Verified) -> dict[str, torch.Tensor]:
 
 
 def _alphabet(data: DataConfig) -> set[str]:
-    """The task's characters (the `tiny` preset's vocabulary), as `load_task` reads them but
-    without resolving the reward function (export runs no code of the run's)."""
-    if data.task == "sort_digits":
-        examples = sort_digits_examples(data.num_digits, data.num_examples)
-    elif data.task == "jsonl":
-        examples = read_jsonl_examples(data.path)
-    else:  # a task added without teaching export its alphabet: refuse, never guess
-        raise ExportError(f"data.task={data.task!r}: no alphabet for the tiny preset's tokenizer")
-    return {c for e in examples for c in e.prompt + e.answer}
+    """The task's characters (the `tiny` preset's vocabulary), read as `load_task` reads them
+    but without resolving the reward function (export runs no code of the run's)."""
+    return alphabet(task_examples(data))
 
 
 def checkpoint_policy(verified: Verified) -> tuple[Policy, Config]:

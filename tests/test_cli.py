@@ -17,6 +17,7 @@ FROZEN_COMMANDS = {
     "audit": {"run_dir"},
     "plot": {"run_dir"},
     "export": {"run_dir", "--checkpoint", "out"},
+    "eval": {"run_dir", "--checkpoint", "--json", "overrides"},
 }
 
 FROZEN_CONFIG_KEYS = [

@@ -147,3 +147,34 @@ def test_the_eval_plot_draws_each_evaluated_step(tmp_path):
     assert list(lines["reward_mean"].get_ydata()) == expected
     assert run / "plots" / "eval.png" in write_plots(run)
     assert (run / "plots" / "eval.png").read_bytes()[:4] == b"\x89PNG"
+
+
+@pytest.mark.slow
+def test_asyncrl_eval_of_a_checkpoint_reproduces_the_evaluation_the_run_made(tmp_path):
+    import json as jsonlib
+
+    from helpers import run_cli
+
+    run = tmp_path / "run"
+    config = small_config(
+        "eval.every_steps=3", "eval.max_examples=12", "run.max_num_steps=6",
+        "checkpoint.save_period=3", "checkpoint.keep_last=5",
+    )  # fmt: skip
+    train(config, run)
+    during = {r["step"]: r for r in read_records(run / "metrics.jsonl") if "eval/pass@4" in r}
+    for name, step in ((None, 6), ("step_3", 3)):
+        done = run_cli("eval", str(run), "--json", *(["--checkpoint", name] if name else []))
+        assert done.returncode == 0, done.stderr
+        result = jsonlib.loads(done.stdout)
+        assert result["step"] == step
+        made = during[step - 1]  # the weights after step t-1 are checkpoint step_t's
+        for key, value in result.items():
+            if key.startswith("eval/") and key != "eval/seconds":
+                assert value == pytest.approx(made[key], abs=1e-6), key
+    assert result != jsonlib.loads(run_cli("eval", str(run), "--json").stdout)  # other weights
+    wider = run_cli("eval", str(run), "--json", "eval.num_samples=2", "eval.max_examples=5")
+    assert "eval/pass@2" in jsonlib.loads(wider.stdout)
+    assert jsonlib.loads(wider.stdout)["eval/num_examples"] == 5
+    bad = run_cli("eval", str(run), "--checkpoint", "step_4")
+    assert bad.returncode == 2 and "step_000004 does not exist" in bad.stderr
+    assert run_cli("eval", str(run), "rollout.temperature=2").returncode == 2

@@ -48,7 +48,7 @@ class Task:
 
     def alphabet(self) -> set[str]:
         """Every character of every prompt and answer: the `tiny` preset's vocabulary."""
-        return {c for e in self.examples for c in e.prompt + e.answer}
+        return alphabet(self.examples)
 
 
 def sort_digits_examples(
@@ -98,15 +98,24 @@ def read_jsonl_examples(path: str | Path) -> list[Example]:
     return examples
 
 
-def load_task(config: DataConfig) -> Task:
+def task_examples(config: DataConfig) -> list[Example]:
+    """The rows `config` trains on, in dataset order (the stream's ordinals index them)."""
     if config.task == "sort_digits":
-        examples = sort_digits_examples(config.num_digits, config.num_examples)
-    elif config.task == "jsonl":
-        examples = read_jsonl_examples(config.path)
-    else:
-        from asyncrl.tasks.hf_data import read_hf_examples  # `datasets` only when used
+        return sort_digits_examples(config.num_digits, config.num_examples)
+    if config.task == "jsonl":
+        return read_jsonl_examples(config.path)
+    from asyncrl.tasks.hf_data import read_hf_examples  # `datasets` only when used
 
-        examples = read_hf_examples(config, config.path, config.split)
+    return read_hf_examples(config, config.path, config.split)
+
+
+def alphabet(examples: list[Example]) -> set[str]:
+    """Every character of every prompt and answer: the `tiny` preset's vocabulary."""
+    return {c for e in examples for c in e.prompt + e.answer}
+
+
+def load_task(config: DataConfig) -> Task:
+    examples = task_examples(config)
     kwargs = {"format_reward": config.format_reward} if config.format_reward else {}
     resolve_reward_fn(config.reward_target)  # a bad name fails here, before any model loads
     return Task(
