@@ -3,9 +3,12 @@ PYTHON ?= python3
 VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
-RUN_DIR ?= runs/demo-$(shell date +%Y%m%d-%H%M%S)
+NOW    := $(shell date +%Y%m%d-%H%M%S)
+RUN_DIR ?= runs/demo-$(NOW)
+# a demo's run dir: RUN_DIR when given (command line or environment), else runs/NAME-TIME
+demo_dir = $(if $(filter command line environment,$(origin RUN_DIR)),$(RUN_DIR),runs/$(1)-$(NOW))
 
-.PHONY: setup demo ppo-demo rloo-demo test lint bench bench-algos bench-ray bench-scale bench-reward bench-engines chaos docs clean
+.PHONY: setup demo math-demo ppo-demo rloo-demo test lint bench bench-algos bench-ray bench-scale bench-reward bench-engines chaos docs clean
 
 setup: $(STAMP)
 
@@ -28,11 +31,17 @@ lint: setup
 	$(BIN)/ruff format --check asyncrl tests benchmarks scripts
 	$(BIN)/mypy
 
+# the second example: its data and model are generated into data/math_chat first (offline)
+math-demo: setup
+	$(BIN)/python -m asyncrl.examples.math_chat data/math_chat
+	$(BIN)/asyncrl train configs/math_chat.yaml --run-dir $(call demo_dir,math-demo)
+	@echo "eval plot: $(call demo_dir,math-demo)/plots/eval.png"
+
 ppo-demo: setup
-	$(BIN)/asyncrl train configs/ppo_demo.yaml --run-dir $(subst demo-,ppo-demo-,$(RUN_DIR))
+	$(BIN)/asyncrl train configs/ppo_demo.yaml --run-dir $(call demo_dir,ppo-demo)
 
 rloo-demo: setup
-	$(BIN)/asyncrl train configs/rloo_demo.yaml --run-dir $(subst demo-,rloo-demo-,$(RUN_DIR))
+	$(BIN)/asyncrl train configs/rloo_demo.yaml --run-dir $(call demo_dir,rloo-demo)
 
 test: lint
 	$(BIN)/pytest -q

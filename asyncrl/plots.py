@@ -207,8 +207,9 @@ def figure_eval(metrics: Records) -> Figure:
     keys += ["eval/greedy_reward"]
     for key in keys:
         points = [(r["step"], r[key]) for r in evaluated if key in r]
-        if points:
-            ax.plot(*zip(*points, strict=True), marker="o", label=key[5:])
+        if points:  # the mean reward dashed: with 0/1 rewards it lies on pass@1
+            style = "--" if key == "eval/reward_mean" else "-"
+            ax.plot(*zip(*points, strict=True), style, marker="o", label=key[5:])
     ax.plot(
         [r["step"] for r in records],
         [r["reward_mean"] for r in records],

@@ -68,6 +68,8 @@ def test_the_math_chat_config_runs_every_piece_end_to_end(files, tmp_path, repo_
                    *overrides)  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
     assert "eval after step 5:" in done.stderr and "eval after step 11:" in done.stderr
+    assert "after step 5  ->  reward" in done.stdout  # the summary's first and last evaluation
+    assert "checkpoints/ tensorboard/ mlruns/" in done.stdout
     records = read_records(run / "metrics.jsonl")
     assert len(records) == 12
     assert all({"reward/correct", "reward/format"} <= set(r) for r in records)

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+import transformers
 from transformers import (
     AutoModelForCausalLM,
     AutoTokenizer,
@@ -74,6 +75,7 @@ def build_tiny_policy(config: ModelConfig, seed: int, alphabet: Iterable[str]) -
 def load_pretrained_policy(path: str | Path) -> Policy:
     """Loads a local model directory saved with `save_pretrained` (model and tokenizer)."""
     path = Path(path)
+    transformers.utils.logging.disable_progress_bar()  # "Loading weights" would garble ours
     try:
         tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
         model = AutoModelForCausalLM.from_pretrained(path, local_files_only=True)

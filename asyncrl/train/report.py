@@ -31,11 +31,32 @@ def summarize(records: list[dict[str, Any]], run_dir: Path, wall_s: float) -> st
         f"{async_steps}/{len(records)} steps trained on older weights",
         f"  time          generation {gen_s:.1f} s, training {train_s:.1f} s, "
         f"trainer waited {wait_s:.1f} s for rollouts",
+        *_eval_lines(records),
         "  files         config.yaml metrics.jsonl events.jsonl timeline.jsonl "
-        "reward_curve.png final_model/ checkpoints/",
+        "reward_curve.png final_model/ checkpoints/"
+        + "".join(f" {d}/" for d in OPTIONAL_DIRS if (run_dir / d).exists()),
         f"  check         asyncrl audit {run_dir}   |   asyncrl inspect {run_dir}",
     ]
     return "\n".join(lines)
+
+
+OPTIONAL_DIRS = ("tensorboard", "wandb", "mlruns")
+"""Run-dir folders the summary lists when the run wrote them (the trackers')."""
+
+
+def _eval_lines(records: list[dict[str, Any]]) -> list[str]:
+    """The first and last evaluation's results, when the run evaluated."""
+    evaluated = [r for r in records if "eval/reward_mean" in r]
+    if not evaluated:
+        return []
+    first, last = evaluated[0], evaluated[-1]
+    k = next((key for key in last if key.startswith("eval/pass@") and key != "eval/pass@1"), "")
+
+    def result(r: dict[str, Any]) -> str:
+        passes = f", {k[5:]} {r[k]:.3f}" if k in r else ""
+        return f"reward {r['eval/reward_mean']:.3f}{passes} after step {r['step']}"
+
+    return [f"  eval          {result(first)}  ->  {result(last)}"]
 
 
 def plot_reward_curve(records: list[dict[str, Any]], path: Path) -> None:
