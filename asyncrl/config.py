@@ -456,6 +456,12 @@ class Config:
             batch,
             f"0 or a divisor of rollout.num_prompts_per_step={n}",
         )
+        _require(
+            self.algo.warmup_steps < self.run.max_num_steps,
+            "algo.warmup_steps",
+            self.algo.warmup_steps,
+            f"< run.max_num_steps={self.run.max_num_steps} (the lr would never reach algo.lr)",
+        )
         if self.run.deterministic:
             _require(
                 self.checkpoint.resume_policy == "lossless",

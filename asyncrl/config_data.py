@@ -107,8 +107,8 @@ class EvalConfig:
     greedy: bool = field(default=True, metadata=MAY_CHANGE)
     """Also decode each prompt greedily (`eval/greedy_reward`, `eval/greedy_pass`)."""
     pass_threshold: float = field(default=1.0, metadata=MAY_CHANGE)
-    """A sample passes when its reward is at least this (1.0: a fully correct answer for the
-    built-in rewards, format bonus or not)."""
+    """A sample passes when its `correct` reward component (the `math` reward has one), or else
+    its reward, is at least this (1.0: a fully correct answer for the built-in rewards)."""
     batch_prompts: int = field(default=32, metadata=MAY_CHANGE)
     """Prompts generated together in one engine call."""
 

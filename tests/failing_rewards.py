@@ -54,3 +54,26 @@ def batched_parts(completions: list[str], answers: list[str]) -> list[dict[str, 
         {"exact": float(c == a), "length": len(c) / 10}
         for c, a in zip(completions, answers, strict=True)
     ]
+
+
+def uneven_parts(completion: str, answer: str) -> dict[str, float]:
+    """Components that differ between the samples of a group: refused."""
+    return {"a": 1.0} if completion == answer else {"b": 0.0}
+
+
+def empty_parts(completion: str, answer: str) -> dict[str, float]:
+    return {}
+
+
+def text_part(completion: str, answer: str) -> dict[str, object]:
+    return {"reward": 1.0, "note": "fine"}
+
+
+@batched
+def batched_short(completions: list[str], answers: list[str]) -> list[float]:
+    return [1.0]
+
+
+@batched
+def batched_raises(completions: list[str], answers: list[str]) -> list[float]:
+    raise RuntimeError("the grader is down")

@@ -89,3 +89,73 @@ def test_a_slow_or_raising_reward_is_retried_then_reported_and_nothing_is_lost(
     train(config, always)
     assert len({r["step"] for r in read_records(always / "metrics.jsonl")}) == 6
     assert audit_run_dir(always).ok
+
+
+def test_reward_components_go_through_a_checkpoint_and_a_preempted_run_resumes_them(
+    tmp_path, monkeypatch
+):
+    import asyncrl.core.buffer as buffer_module
+    from asyncrl.train.signals import Preempted, StopRequest
+    from asyncrl.train.trainer import Trainer
+
+    def run(name: str, stop_after: int | None = None) -> list[dict]:
+        config = small_config(
+            "data.reward_fn=failing_rewards:batched_parts", "run.deterministic=true",
+            "run.max_num_steps=8", "rollout.groups_per_batch=2", "checkpoint.save_period=100",
+        )  # fmt: skip
+        stop = StopRequest()
+        if stop_after is not None:
+            real = Trainer.train_step
+
+            def train_step(self):
+                record = real(self)
+                if record["step"] == stop_after:
+                    stop.signal_name = "SIGTERM"  # as the signal handler would
+                return record
+
+            monkeypatch.setattr(Trainer, "train_step", train_step)
+            with pytest.raises(Preempted):
+                train(config, tmp_path / name, stop)
+            monkeypatch.setattr(Trainer, "train_step", real)
+        train(config, tmp_path / name)
+        return {r["step"]: r for r in read_records(tmp_path / name / "metrics.jsonl")}
+
+    def parts(records: dict) -> list[tuple]:
+        keys = ("reward/exact", "reward/length", "reward_mean", "tokens_sha256")
+        return [tuple(records[t][k] for k in keys) for t in sorted(records)]
+
+    whole = run("whole")
+    resumed = run("resumed", stop_after=3)
+    (event,) = [e for e in read_records(tmp_path / "resumed" / "events.jsonl")
+                if e["event"] == "resume"]  # fmt: skip
+    assert event["kept_groups"], "the preemption checkpoint held buffered groups"
+    assert parts(resumed) == parts(whole)
+    # negative control: a checkpoint that drops the components is caught by the same comparison
+    real_state = buffer_module._group_state
+    monkeypatch.setattr(
+        buffer_module,
+        "_group_state",
+        lambda g: {k: v for k, v in real_state(g).items() if k != "reward_components"},
+    )
+    assert parts(run("lossy", stop_after=3)) != parts(whole)
+
+
+def test_a_reward_that_hangs_without_a_timeout_does_not_hold_up_a_preemption(tmp_path, monkeypatch):
+    import threading
+    import time
+
+    from asyncrl.train.signals import Preempted, StopRequest
+
+    monkeypatch.setenv("ASYNCRL_TEST_FAIL_DIR", str(tmp_path / "failures"))
+    monkeypatch.setenv("ASYNCRL_TEST_FAIL_TIMES", "1000")  # sleeps 120 s on answer 7
+    config = small_config(*digit_rows(tmp_path, "sleeps_on_7"), "rollout.reward_workers=1")
+    stop = StopRequest()
+    threading.Timer(4.0, lambda: setattr(stop, "signal_name", "SIGTERM")).start()
+    start = time.perf_counter()
+    with pytest.raises(Preempted):
+        train(config, tmp_path / "run", stop)
+    assert time.perf_counter() - start < 60  # the stuck call was stopped, not waited out
+    monkeypatch.setenv("ASYNCRL_TEST_FAIL_TIMES", "0")
+    train(config, tmp_path / "run")  # resumes and finishes
+    assert len({r["step"] for r in read_records(tmp_path / "run" / "metrics.jsonl")}) == 6
+    assert audit_run_dir(tmp_path / "run").ok

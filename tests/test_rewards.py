@@ -95,7 +95,33 @@ def test_a_call_past_the_timeout_is_stopped_and_reported_and_the_pool_goes_on(
         assert time.perf_counter() - start < 30  # not the 120 s the call would sleep
         assert isinstance(slow, RewardFailure) and "reward_timeout_s=1.5" in str(slow)
         assert fast == GroupScores([1.0], {})
-        assert pool.num_timeouts == 1
         assert pool.score([RewardJob(["3"], "3")]) == [GroupScores([1.0], {})]  # replaced
     finally:
         pool.close()
+
+
+@pytest.mark.parametrize(
+    ("target", "message"),
+    [
+        ("failing_rewards:uneven_parts", "returned components ['b'] for completion 'x'"),
+        ("failing_rewards:empty_parts", "returned an empty dict"),
+        ("failing_rewards:text_part", "returned 'fine' as note"),
+        ("failing_rewards:batched_short", "returned 1 values for a group of 2 completions"),
+    ],
+)
+def test_rewards_that_break_the_contract_are_refused_saying_how(target, message):
+    with pytest.raises(RewardFailure) as err:
+        score_group(target, {}, ["7", "x"], "7")
+    assert message in str(err.value)
+
+
+def test_a_batched_reward_that_raises_is_a_failure_here_and_in_a_worker():
+    jobs = [RewardJob(["7"], "7")]
+    for workers in (0, 1):
+        pool = RewardPool("failing_rewards:batched_raises", {}, workers=workers)
+        try:
+            (result,) = pool.score(jobs)
+        finally:
+            pool.close()
+        assert isinstance(result, RewardFailure)
+        assert "the grader is down" in str(result)

@@ -285,3 +285,16 @@ def open_files_under(path: Path) -> list[str]:
         with contextlib.suppress(OSError):
             targets.append(os.readlink(fd))
     return [t for t in targets if t.startswith(str(path))]
+
+
+def test_a_failing_tracker_is_reported_and_training_goes_on(tmp_path, monkeypatch, capsys):
+    def broken(self, record):
+        raise ConnectionError("tracking server gone")
+
+    monkeypatch.setattr(MlflowSink, "write", broken)
+    run = tmp_path / "run"
+    train(small_config("logging.mlflow=true", "run.max_num_steps=3"), run)
+    assert len(read_records(run / "metrics.jsonl")) == 3
+    failures = [e for e in read_records(run / "events.jsonl") if e["event"] == "tracker_failure"]
+    assert len(failures) == 3 and "tracking server gone" in failures[0]["error"]
+    assert capsys.readouterr().out.count("MlflowSink failed to log step 0") == 1

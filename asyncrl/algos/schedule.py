@@ -4,10 +4,10 @@ Each optimizer an algorithm owns (the policy's; PPO's critic's) gets a `StepSche
 `torch.optim.lr_scheduler.LambdaLR` built by transformers' `get_*_schedule_with_warmup`, so
 the factor of training step t is Hugging Face's, warm-up included (0 at step 0):
 
-    t < W:     t / W                                   (W = algo.warmup_steps)
+    t < W:     t / max(1, W)                                     (W = algo.warmup_steps)
     constant:  1
-    linear:    max(0, (T - t) / (T - W))               (T = run.max_num_steps)
-    cosine:    0.5 * (1 + cos(pi * (t - W) / (T - W)))
+    linear:    max(0, (T - t) / max(1, T - W))                   (T = run.max_num_steps)
+    cosine:    max(0, 0.5 * (1 + cos(pi * (t - W) / max(1, T - W))))
 
 The scheduler advances once per *training* step, however many optimizer steps that step
 takes (PPO's epochs and minibatches) and also when it takes none (PPO's critic warm-up): the

@@ -11,10 +11,14 @@ from __future__ import annotations
 
 import concurrent.futures
 import multiprocessing
+import threading
 from dataclasses import dataclass
 from typing import Any
 
 from asyncrl.tasks.reward_calls import GroupScores, RewardFailure, score_group
+
+POLL_S = 0.2
+"""How often a caller waiting for a reward call checks whether the pool was closed."""
 
 
 @dataclass(frozen=True)
@@ -37,7 +41,7 @@ class RewardPool:
         self.workers = workers
         self.timeout_s = timeout_s
         self._pool: Any = None
-        self.num_timeouts = 0  # calls stopped at the timeout, for the metrics
+        self._closed = threading.Event()
         if workers:
             from pebble import ProcessPool  # only the pool needs it
 
@@ -68,10 +72,14 @@ class RewardPool:
             return RewardFailure(f"raised {err!r}")
 
     def _result(self, future: Any) -> GroupScores | RewardFailure:
+        # returns as soon as the call ends; every POLL_S checks that `close` was not called (a
+        # closed pool may never resolve a running call's future)
+        while not concurrent.futures.wait([future], timeout=POLL_S).done:
+            if self._closed.is_set():
+                return RewardFailure("was stopped: the run is ending (its reward pool closed)")
         try:
             result: GroupScores = future.result()
         except concurrent.futures.TimeoutError:
-            self.num_timeouts += 1
             return RewardFailure(
                 f"ran past rollout.reward_timeout_s={self.timeout_s:g} s (its worker process "
                 "was stopped and replaced)"
@@ -83,7 +91,9 @@ class RewardPool:
         return result
 
     def close(self) -> None:
-        """Stops the worker processes (a call still running is abandoned)."""
+        """Stops the worker processes (a call still running is abandoned, and whoever waits
+        for it gets a failure)."""
+        self._closed.set()
         if self._pool is not None:
             self._pool.stop()
             self._pool.join(timeout=10)

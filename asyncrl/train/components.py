@@ -48,6 +48,14 @@ class Components:
     evaluator: Evaluator | None = None
     """With `eval.every_steps`: evaluates the weights the trainer publishes."""
 
+    def stop_generation(self) -> None:
+        """Stops the collector: asks it to stop, stops the reward workers (a reward call that
+        hangs without a timeout would otherwise hold the join forever; its batch fails and
+        stays in flight in the ledger), then waits for the engine call in progress."""
+        self.collector.stop(timeout_s=0)
+        self.scorer.pool.close()
+        self.collector.stop()
+
     def shutdown(self) -> None:
         """Releases what the backend started (Ray actors, a local Ray); threads need nothing."""
         self.run_steps(self.shutdown_steps)

@@ -41,12 +41,21 @@ from asyncrl.tasks.source import Example, Task, read_jsonl_examples, sort_digits
 
 def eval_examples(config: Config) -> list[Example]:
     """The evaluation prompts: `eval.path` (read as `data.task` reads), else `data.path`'s
-    split `eval.split`, else for `sort_digits` a held-out generated set; the first
-    `eval.max_examples` of them if set."""
+    split `eval.split`, else for `sort_digits` a generated set without any training prompt
+    (256 rows, or `eval.max_examples`); the first `eval.max_examples` of them if set."""
     data, ev = config.data, config.eval
     limit = ev.max_examples
     if data.task == "sort_digits" and not ev.path:
-        examples = sort_digits_examples(data.num_digits, limit or 256, held_out=True)
+        training = {e.prompt for e in sort_digits_examples(data.num_digits, data.num_examples)}
+        wanted = limit or 256
+        drawn = sort_digits_examples(data.num_digits, 4 * wanted + 64, held_out=True)
+        examples = [e for e in drawn if e.prompt not in training][:wanted]
+        if not examples:
+            raise ConfigError(
+                f"eval.path: every held-out sort_digits prompt is a training prompt too "
+                f"(data.num_digits={data.num_digits} allows only 10^{data.num_digits}); give "
+                "evaluation prompts as eval.path"
+            )
     elif data.task == "jsonl" or (data.task == "sort_digits" and ev.path):
         if not ev.path:
             raise ConfigError("eval.path: required with data.task=jsonl (a .jsonl file)")
@@ -85,7 +94,8 @@ class PromptResult:
 
 class Evaluator:
     """Evaluates weights on `examples` with a private copy of `model` (the architecture; the
-    weights come with each `evaluate` call), on `rollout.device` in `rollout.dtype`."""
+    weights come with each `evaluate` call), on `train.device` (the driver's, where the
+    trainer's weights are, whatever the backend) in `rollout.dtype`."""
 
     def __init__(
         self,
@@ -105,14 +115,15 @@ class Evaluator:
         max_len = int(getattr(model.config, "max_position_embeddings", 1 << 30))
         self.prompts = encode_prompts(list(examples), tokenizer, rollout.max_new_tokens, max_len)
         self.scorer = Scorer(task, tokenizer, pool, examples)
-        self.weights = CopyWeightSync(1, rollout.device, DTYPES[rollout.dtype])
+        device = config.train.device
+        self.weights = CopyWeightSync(1, device, DTYPES[rollout.dtype])
         spec = EngineSpec(
             model,
             eos_id,
             pad_id,
             rollout.max_new_tokens,
             self.config.temperature,
-            rollout.device,
+            device,
             rollout.dtype,
             keep_cache_between_chunks=False,
         )
@@ -134,15 +145,16 @@ class Evaluator:
         if self.config.greedy:
             greedy = self._run(version, 1, 0.0)
             rewards = torch.cat([p.rewards for p in greedy])
+            passes = torch.cat([self._passes(p) for p in greedy])
             metrics["eval/greedy_reward"] = float(rewards.mean())
-            metrics["eval/greedy_pass"] = float(self._passes(rewards).float().mean())
+            metrics["eval/greedy_pass"] = float(passes.float().mean())
             metrics["eval/reward_failures"] += sum(p.failed for p in greedy)
         metrics["eval/seconds"] = time.perf_counter() - start
         return metrics
 
     def _summary(self, sampled: list[PromptResult], k: int) -> dict[str, float]:
         rewards = torch.stack([p.rewards for p in sampled])  # [prompts, k]
-        passes = self._passes(rewards).float()
+        passes = torch.stack([self._passes(p) for p in sampled]).float()
         metrics = {
             "eval/reward_mean": float(rewards.mean()),
             "eval/pass@1": float(passes.mean()),
@@ -156,8 +168,11 @@ class Evaluator:
             metrics[f"eval/reward/{name}"] = float(torch.cat(parts).mean())
         return metrics
 
-    def _passes(self, rewards: torch.Tensor) -> torch.Tensor:
-        return rewards >= self.config.pass_threshold
+    def _passes(self, result: PromptResult) -> torch.Tensor:
+        """[k] bool: the samples whose `correct` component (when the reward has one: a format
+        bonus is no pass), or else reward, reaches `eval.pass_threshold`."""
+        scores = result.components.get("correct", result.rewards)
+        return scores >= self.config.pass_threshold
 
     def _run(self, version: int, samples: int, temperature: float) -> list[PromptResult]:
         """Every evaluation prompt's `samples` samples at `temperature` (0: greedy), scored."""

@@ -181,6 +181,7 @@ class RunLogs:
     def __init__(
         self, run_dir: Path, logging: LoggingConfig, config: dict[str, Any] | None = None
     ) -> None:
+        self.tracker_failures = 0
         opened: list[JsonlLog | MetricsSink] = []
         try:
             self.events = EventLog(run_dir / "events.jsonl")
@@ -204,8 +205,21 @@ class RunLogs:
             raise
 
     def write_step(self, record: dict[str, Any]) -> None:
-        for sink in self.sinks:
-            sink.write(record)
+        """`metrics.jsonl` first (the record of truth: its error stops the run); a tracker that
+        fails (a server gone) is reported once and skipped, and training goes on."""
+        self.sinks[0].write(record)
+        for sink in self.sinks[1:]:
+            try:
+                sink.write(record)
+            except Exception as err:
+                self.tracker_failures += 1
+                if self.tracker_failures == 1:
+                    print(
+                        f"asyncrl: {type(sink).__name__} failed to log step {record.get('step')} "
+                        f"({err!r}); training goes on, metrics.jsonl keeps every record (each "
+                        "failure is a tracker_failure event)"
+                    )
+                self.events.emit("tracker_failure", sink=type(sink).__name__, error=repr(err))
 
     def close(self) -> None:
         _close_all([*self.sinks[1:], self.metrics, self.events, self.timeline])

@@ -289,7 +289,7 @@ class Trainer:
                 self.checkpoint(wait=True)
             raise
         finally:
-            self.parts.collector.stop()  # after the emergency checkpoint: waits out one batch
+            self.parts.stop_generation()  # after the emergency checkpoint: waits out one batch
             progress.close()
         return self.finish()
 
@@ -363,6 +363,9 @@ class Trainer:
         `eval` event), else nothing. Generation goes on meanwhile; the trainer waits."""
         evaluator = self.parts.evaluator
         if evaluator is None or not evaluator.due(version):
+            return {}
+        if self.stop.requested:  # a preempted machine's grace period is for the checkpoint
+            self.logs.events.emit("eval_skipped", version=version, reason="stop requested")
             return {}
         metrics = evaluator.evaluate(version, self.parts.algo.policy_weights())
         self.logs.events.emit("eval", step=version - 1, version=version, **metrics)
