@@ -126,3 +126,11 @@ def test_changing_the_schedule_on_resume_is_refused_but_the_horizon_may_move():
     # unless --force-config; run.max_num_steps may change (the decay's end moves with it)
     assert resume_rule("algo.lr_schedule") == resume_rule("algo.warmup_steps") == "semantic"
     assert resume_rule("run.max_num_steps") == "may_change"
+
+
+def test_a_warm_up_as_long_as_the_run_is_refused():
+    with pytest.raises(
+        ConfigError, match=r"algo\.warmup_steps: got 6, must be < run\.max_num_steps=6"
+    ):
+        small_config("algo.warmup_steps=6")
+    small_config("algo.warmup_steps=5")

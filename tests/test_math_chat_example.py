@@ -61,6 +61,7 @@ def test_the_math_chat_config_runs_every_piece_end_to_end(files, tmp_path, repo_
         f"eval.path={files['test']}",
         "run.max_num_steps=12",
         "eval.every_steps=6",
+        "algo.warmup_steps=2",
         "eval.max_examples=16",
         "logging.progress=false",
     ]
