@@ -22,12 +22,11 @@ from asyncrl.rollout.engine import (
     check_engine,
     engine_options,
 )
-from asyncrl.rollout.reward_pool import RewardPool
 from asyncrl.rollout.scorer import Scorer
 from asyncrl.rollout.weight_sync import CopyWeightSync, WeightSync
 from asyncrl.tasks.prompts import encode_prompts
 from asyncrl.tasks.source import Task, load_task
-from asyncrl.train.evaluation import Evaluator, eval_examples
+from asyncrl.train.evaluation import Evaluator, build_evaluator, task_reward_pool
 
 OnBatch = Callable[[Chunk], None]
 
@@ -106,9 +105,7 @@ def build_components(config: Config, on_batch: OnBatch | None = None) -> Compone
         weights = CopyWeightSync(config.kept_weight_versions, rollout.device, DTYPES[rollout.dtype])
         engine = build_engine(rollout.engine, spec, weights)
     weights.publish(0, algo.policy_weights())
-    pool = RewardPool(
-        task.reward_target, task.reward_kwargs, rollout.reward_workers, rollout.reward_timeout_s
-    )
+    pool = task_reward_pool(task, rollout)
     shutdown.append(pool.close)
     scorer = Scorer(task, policy.tokenizer, pool)
     collector = Collector(
@@ -136,20 +133,6 @@ def build_components(config: Config, on_batch: OnBatch | None = None) -> Compone
     if config.eval.every_steps:
         parts.evaluator = build_evaluator(config, policy, task, pool)
     return parts
-
-
-def build_evaluator(config: Config, policy: Policy, task: Task, pool: RewardPool) -> Evaluator:
-    """The evaluation of `config.eval` over `eval_examples(config)`, scoring with `pool`."""
-    return Evaluator(
-        config,
-        policy.model,
-        policy.tokenizer,
-        task,
-        eval_examples(config),
-        pool,
-        policy.eos_id,
-        policy.pad_id,
-    )
 
 
 def _ray_backend(

@@ -27,9 +27,10 @@ from pathlib import Path
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from asyncrl.config import Config, ConfigError
+from asyncrl.config import Config, ConfigError, RolloutConfig
 from asyncrl.core.types import PromptTicket
 from asyncrl.models.device import DTYPES
+from asyncrl.models.policy import Policy
 from asyncrl.rollout.engine import EngineSpec, GenerationRequest
 from asyncrl.rollout.reward_pool import RewardPool
 from asyncrl.rollout.scorer import Scored, Scorer
@@ -206,6 +207,28 @@ class Evaluator:
             self.engine.temperature = saved
 
 
+def task_reward_pool(task: Task, rollout: RolloutConfig) -> RewardPool:
+    """The pool that scores `task`'s reward as `rollout.reward_workers` and
+    `rollout.reward_timeout_s` say (training's and evaluation's share one)."""
+    return RewardPool(
+        task.reward_target, task.reward_kwargs, rollout.reward_workers, rollout.reward_timeout_s
+    )
+
+
+def build_evaluator(config: Config, policy: Policy, task: Task, pool: RewardPool) -> Evaluator:
+    """The evaluation of `config.eval` over `eval_examples(config)`, scoring with `pool`."""
+    return Evaluator(
+        config,
+        policy.model,
+        policy.tokenizer,
+        task,
+        eval_examples(config),
+        pool,
+        policy.eos_id,
+        policy.pad_id,
+    )
+
+
 def eval_line(record: Mapping[str, float]) -> str:
     """One line for the terminal: a step record's evaluation results."""
     passes = " ".join(
@@ -238,21 +261,9 @@ def evaluate_checkpoint(
     verified = verified_checkpoint(run_dir, checkpoint)
     policy, _ = checkpoint_policy(verified)
     task = load_task(config.data)
-    rollout = config.rollout
-    pool = RewardPool(
-        task.reward_target, task.reward_kwargs, rollout.reward_workers, rollout.reward_timeout_s
-    )
+    pool = task_reward_pool(task, config.rollout)
     try:
-        evaluator = Evaluator(
-            config,
-            policy.model,
-            policy.tokenizer,
-            task,
-            eval_examples(config),
-            pool,
-            policy.eos_id,
-            policy.pad_id,
-        )
+        evaluator = build_evaluator(config, policy, task, pool)
         return verified.step, evaluator.evaluate(verified.step, policy.model.state_dict())
     finally:
         pool.close()
