@@ -22,6 +22,7 @@ from asyncrl.checkpoint.store import CheckpointError
 from asyncrl.core.types import Group
 
 if TYPE_CHECKING:
+    from asyncrl.algos.parallel import Ranks
     from asyncrl.algos.schedule import StepSchedule
     from asyncrl.algos.update import ReferencePolicy
     from asyncrl.config import Config
@@ -43,9 +44,12 @@ class Algorithm(Protocol):
     """Dataclass of its own `algo.*` keys (`NoOptions` if none); each field's docstring is its
     documentation, as for every config key."""
 
-    def __init__(self, policy: Policy, config: Config) -> None:
+    def __init__(self, policy: Policy, config: Config, ranks: Ranks = ...) -> None:
         """Built before any checkpoint is loaded, from the policy's *initial* weights (a
-        reference policy or a critic copies them)."""
+        reference policy or a critic copies them). With `train.num_processes` > 1 it is built
+        on every trainer rank: it shards its modules with `ranks.shard` (after copying them,
+        before building their optimizers), trains its rows (`rank_micro_batches`), and
+        `policy_weights` gathers the full weights (a collective: every rank calls it)."""
         ...
 
     def step(self, groups: list[Group], step: int) -> dict[str, float]:

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, Literal
 import torch
 
 from asyncrl.algos.base import load_policy_state, policy_state
+from asyncrl.algos.parallel import SINGLE, Ranks, rank_micro_batches
 from asyncrl.algos.schedule import StepSchedule
 from asyncrl.algos.update import (
     ReferencePolicy,
@@ -22,7 +23,6 @@ from asyncrl.algos.update import (
     apply_gradients,
     backward,
     batch_logprobs,
-    micro_batches,
     regularise,
     select,
     stack_groups,
@@ -71,8 +71,9 @@ class GRPO:
     name: ClassVar[str] = "grpo"
     Options: ClassVar[type] = GRPOOptions
 
-    def __init__(self, policy: Policy, config: Config) -> None:
+    def __init__(self, policy: Policy, config: Config, ranks: Ranks = SINGLE) -> None:
         self.model = policy.model
+        self.ranks = ranks
         self.config = config.algo
         self.temperature = config.rollout.temperature
         self.pad_id = policy.pad_id
@@ -86,6 +87,9 @@ class GRPO:
         )
         self.loss_fn = ClippedPolicyLoss(clip_eps=config.algo.clip_eps)
         self.max_new_tokens = config.rollout.max_new_tokens
+        ranks.shard(self.model)  # after the reference copied the full initial weights
+        if self.reference is not None:
+            ranks.shard(self.reference.model)
         self.optimizer = adamw(self.model.parameters(), config.algo.lr, config.algo)
         self.schedule = StepSchedule(self.optimizer, config.algo, config.run.max_num_steps)
 
@@ -107,8 +111,12 @@ class GRPO:
         lr = self.schedule.start(step)
         loss_total, stats = 0.0, StepStats()
         tis_cap = getattr(self.config.options, "mismatch_tis_cap", 0.0)
-        trainer_logprobs = []
-        for rows in micro_batches(len(mask), self.micro_batch_size):
+        trainer_logprobs: list[tuple[slice, torch.Tensor]] = []
+        ranks, check = self.ranks, self.ranks.world_size == 1
+        for micro in rank_micro_batches(
+            len(mask), self.micro_batch_size, ranks.rank, ranks.world_size
+        ):
+            rows = micro.rows
             part = select(batch, rows)
             part_mask = part["completion_mask"]
             with autocast(self.device, self.dtype):
@@ -125,7 +133,6 @@ class GRPO:
                     entropy_grad=self.config.entropy_coef > 0,
                     shared_prompts=self.shared_prompts,
                 )
-            trainer_logprobs.append(logprobs.detach())
             anchor, is_weights = part["behaviour_logprobs"], None
             is_stats: dict[str, float] = {}
             if tis_cap > 0:  # the weights are those before the step until apply_gradients
@@ -152,8 +159,15 @@ class GRPO:
                 normaliser,
                 weights[rows],
             )
-            loss_total += backward(loss)
+            if not micro.real:  # a stand-in: the passes' collectives, no gradient
+                backward(loss * 0.0, check=check)
+                continue
+            trainer_logprobs.append((rows, logprobs.detach()))
+            loss_total += backward(loss, check=check)
             stats.add({**loss_stats, **is_stats, **extra}, float(part_mask.sum()))
+        (loss_total,) = ranks.sum([loss_total])
+        stats = stats.gathered(ranks.gather(stats.parts))
+        all_logprobs = ranks.assemble(trainer_logprobs, len(mask), batch["behaviour_logprobs"])
         grad_norm = apply_gradients(
             self.optimizer, self.model.parameters(), self.config.max_grad_norm
         )
@@ -170,7 +184,7 @@ class GRPO:
             "completion_len": float(mask.sum(1).float().mean()),
             **stats.result(),
             **mismatch_stats(
-                torch.cat(trainer_logprobs),
+                all_logprobs,
                 batch["behaviour_logprobs"],
                 mask,
                 batch["token_versions"] == step,  # the trainer holds version `step`
@@ -178,7 +192,7 @@ class GRPO:
         }
 
     def policy_weights(self) -> dict[str, torch.Tensor]:
-        return self.model.state_dict()
+        return self.ranks.full_weights(self.model)
 
     def state_dict(self) -> dict[str, Any]:
         return policy_state(self.name, self.optimizer, self.schedule, self.reference)

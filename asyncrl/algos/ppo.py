@@ -25,6 +25,7 @@ import numpy as np
 import torch
 
 from asyncrl.algos.base import load_policy_state, policy_state
+from asyncrl.algos.parallel import SINGLE, MicroBatch, Ranks, rank_micro_batches
 from asyncrl.algos.schedule import StepSchedule
 from asyncrl.algos.update import (
     ReferencePolicy,
@@ -33,7 +34,6 @@ from asyncrl.algos.update import (
     apply_gradients,
     backward,
     batch_logprobs,
-    micro_batches,
     regularise,
     select,
     stack_groups,
@@ -130,8 +130,9 @@ class PPO:
     """With one epoch of one minibatch, take pi_old and V_old from the forward passes the
     losses differentiate instead of two extra no-grad passes (the same numbers; a test checks)."""
 
-    def __init__(self, policy: Policy, config: Config) -> None:
+    def __init__(self, policy: Policy, config: Config, ranks: Ranks = SINGLE) -> None:
         algo = config.algo
+        self.ranks = ranks
         opt: PPOOptions = algo.options
         self.model = policy.model
         self.device = model_device(policy.model)
@@ -152,6 +153,11 @@ class PPO:
         self.seed = config.run.seed
         self.policy_loss = ClippedPolicyLoss(clip_eps=algo.clip_eps)
         self.value_loss = ClippedValueLoss(clip_eps=opt.value_clip_eps)
+        # sharded once the critic and the reference copied the full initial weights
+        ranks.shard(self.model)
+        ranks.shard(self.critic)
+        if self.reference is not None:
+            ranks.shard(self.reference.model)
         self.optimizer = adamw(self.model.parameters(), algo.lr, algo)
         self.critic_optimizer = adamw(self.critic.parameters(), opt.critic_lr, algo)
         # the critic's lr follows algo.lr_schedule too, from critic_lr
@@ -159,7 +165,7 @@ class PPO:
         self.critic_schedule = StepSchedule(self.critic_optimizer, algo, config.run.max_num_steps)
 
     def policy_weights(self) -> dict[str, torch.Tensor]:
-        return self.model.state_dict()
+        return self.ranks.full_weights(self.model)
 
     def state_dict(self) -> dict[str, Any]:
         """The policy optimizer and lr schedule, the critic, its optimizer and lr schedule, and
@@ -209,19 +215,28 @@ class PPO:
             return self.reference.logprobs(batch, self.temperature, self.pad_id)
 
     def _no_grad_pass(
-        self, batch: dict[str, Any], slices: list[slice]
+        self, batch: dict[str, Any], slices: list[MicroBatch]
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """pi_old, V_old and (with a KL penalty) the reference's log-probs of the whole step,
-        without a graph, a micro-batch at a time."""
-        logprobs, values, ref = [], [], []
+        without a graph, a micro-batch at a time (each rank its rows, then assembled)."""
+        logprobs: list[tuple[slice, torch.Tensor]] = []
+        values: list[tuple[slice, torch.Tensor]] = []
+        ref: list[tuple[slice, torch.Tensor]] = []
         with torch.no_grad():
-            for rows in slices:
-                part = select(batch, rows)
-                logprobs.append(self._logprobs(part)[0])
-                values.append(self._values(part))
+            for micro in slices:
+                part = select(batch, micro.rows)
+                outputs = [self._logprobs(part)[0], self._values(part)]
                 if self.reference is not None:
-                    ref.append(self._reference(part))
-        return torch.cat(logprobs), torch.cat(values), (torch.cat(ref) if ref else None)
+                    outputs.append(self._reference(part))
+                if micro.real:
+                    for found, value in zip((logprobs, values, ref), outputs, strict=False):
+                        found.append((micro.rows, value))
+        rows, like = len(batch["completion_mask"]), batch["behaviour_logprobs"]
+        return (
+            self.ranks.assemble(logprobs, rows, like),
+            self.ranks.assemble(values, rows, like),
+            self.ranks.assemble(ref, rows, like) if self.reference is not None else None,
+        )
 
     def step(self, groups: list[Group], step: int) -> dict[str, float]:
         """One training step (`ppo_epochs * num_minibatches` updates of the critic, and of the
@@ -234,7 +249,8 @@ class PPO:
         self.critic.train()
         train_policy = step >= opt.critic_warmup_steps
         lr, critic_lr = self.schedule.start(step), self.critic_schedule.start(step)
-        slices = micro_batches(len(mask), self.micro_batch_size)
+        ranks, check = self.ranks, self.ranks.world_size == 1
+        slices = rank_micro_batches(len(mask), self.micro_batch_size, ranks.rank, ranks.world_size)
         reuse: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
         ref: torch.Tensor | None = None
         if (
@@ -242,6 +258,7 @@ class PPO:
             and opt.ppo_epochs == 1
             and opt.num_minibatches == 1
             and len(slices) == 1
+            and ranks.world_size == 1
         ):
             values = self._values(batch)
             with torch.set_grad_enabled(train_policy):
@@ -280,9 +297,13 @@ class PPO:
                 self.optimizer.zero_grad(set_to_none=True)
                 losses = {"loss": 0.0, "value_loss": 0.0, "policy_loss": 0.0}
                 stats = StepStats()
-                for micro in micro_batches(len(rows), self.micro_batch_size):
+                for micro_batch in rank_micro_batches(
+                    len(rows), self.micro_batch_size, ranks.rank, ranks.world_size
+                ):
+                    micro = micro_batch.rows
                     part, part_rows = select(minibatch, micro), rows[micro]
                     part_mask = part["completion_mask"]
+                    scale = 1.0 if micro_batch.real else 0.0  # a stand-in: no gradient
                     values = reuse[0] if reuse else self._values(part)
                     value_loss, value_stats = self.value_loss(
                         values,
@@ -291,7 +312,7 @@ class PPO:
                         part_mask,
                         value_normaliser,
                     )
-                    losses["value_loss"] += backward(value_loss, "value loss")
+                    losses["value_loss"] += backward(value_loss * scale, "value loss", check)
                     with torch.set_grad_enabled(train_policy):
                         logprobs, entropy = reuse[1:] if reuse else self._logprobs(part)
                         loss, policy_stats = self.policy_loss(
@@ -303,7 +324,7 @@ class PPO:
                             normaliser,
                             weights[micro],
                         )
-                        losses["policy_loss"] += loss.item()
+                        losses["policy_loss"] += loss.item() * scale
                         use_ref = (
                             ref[part_rows] if ref is not None and not opt.kl_in_reward else None
                         )
@@ -317,8 +338,13 @@ class PPO:
                             normaliser,
                             weights[micro],
                         )
-                    losses["loss"] += backward(loss) if train_policy else loss.item()
-                    stats.add({**value_stats, **policy_stats, **extra}, float(part_mask.sum()))
+                    loss = loss * scale  # x 1.0 is exact: one rank trains the same bits
+                    losses["loss"] += backward(loss, check=check) if train_policy else loss.item()
+                    if scale:
+                        stats.add({**value_stats, **policy_stats, **extra}, float(part_mask.sum()))
+                summed = ranks.sum(list(losses.values()))
+                losses = dict(zip(losses, summed, strict=True))
+                stats = stats.gathered(ranks.gather(stats.parts))
                 totals["critic_grad_norm"].append(
                     apply_gradients(
                         self.critic_optimizer,

@@ -84,6 +84,17 @@ class StepStats:
     def add(self, stats: dict[str, float], num_tokens: float) -> None:
         self._parts.append((stats, num_tokens))
 
+    def gathered(self, parts_of_ranks: list[list[tuple[dict[str, float], float]]]) -> StepStats:
+        """The stats of every rank's micro-batches (`Ranks.gather(stats.parts)`), in rank
+        order: one rank's gathered stats are its own."""
+        out = StepStats()
+        out._parts = [part for parts in parts_of_ranks for part in parts]
+        return out
+
+    @property
+    def parts(self) -> list[tuple[dict[str, float], float]]:
+        return self._parts
+
     def result(self) -> dict[str, float]:
         if len(self._parts) == 1:
             return dict(self._parts[0][0])
@@ -174,11 +185,14 @@ def adamw(
     )
 
 
-def backward(loss: torch.Tensor, what: str = "loss") -> float:
+def backward(loss: torch.Tensor, what: str = "loss", check: bool = True) -> float:
     """Accumulates `loss`'s gradient (one micro-batch's share of the step's loss); raises
-    `NonFiniteLoss` before that if it is not finite. Returns its value."""
+    `NonFiniteLoss` before that if it is not finite. Returns its value. `check=False` (ranks
+    > 1: every rank must run the backward's collectives) leaves the refusal to
+    `apply_gradients`, whose gradient norm is global: a non-finite loss on any rank makes it
+    non-finite on all."""
     value = loss.item()
-    if not math.isfinite(value):
+    if check and not math.isfinite(value):
         raise NonFiniteLoss(f"{what} is {value}; the step was not applied")
     loss.backward()
     return value
