@@ -25,6 +25,7 @@ from pathlib import Path
 import torch
 import transformers
 
+from asyncrl.checkpoint.shards import ShardedFile, resolve_tensors
 from asyncrl.checkpoint.snapshot import (
     FILES,
     MODEL_FILE,
@@ -32,6 +33,8 @@ from asyncrl.checkpoint.snapshot import (
     decode,
     format_version,
     read_parts,
+    read_state,
+    tensor_refs,
     unflatten,
 )
 from asyncrl.checkpoint.store import CheckpointError, CheckpointStore, Verified, step_dir_name
@@ -113,6 +116,11 @@ def model_state(verified: Verified) -> dict[str, torch.Tensor]:
     parts, _ = read_parts(verified)
     try:
         tensors = verified.read_with(MODEL_FILE, read_tensors)
+        num_shards = int(read_state(verified).get("num_shards", 1))
+        if num_shards > 1:  # a sharded run's: every rank's rows, whole tensors
+            tree = parts[MODEL_PART]
+            source = ShardedFile(verified, MODEL_FILE, tensors, num_shards)
+            tensors = resolve_tensors(source, tree, tensor_refs(tree), None)
         state = unflatten(parts[MODEL_PART], tensors)
     except (KeyError, TypeError, ValueError, OSError) as err:
         raise CheckpointError(f"{verified.path}: model unreadable ({err!r})") from None

@@ -13,6 +13,8 @@ Files of a checkpoint directory (format 2):
     state.safetensors   every other part's tensors, named `PART/PATH/IN/ITS/STATE`
     state.json          {"format_version": 2, "parts": {PART: its state with each tensor
                         replaced by {"__tensor__": NAME}}, "config": the run's config}
+Format 3 is a sharded run's (`train.num_processes` > 1): the same files, plus each other
+rank's rows of the sharded tensors in its own files (`asyncrl.checkpoint.shards`).
 Nothing is a pickle: loading a checkpoint cannot execute code (DESIGN.md I7). Format 1
 checkpoints are read by `asyncrl.checkpoint.legacy`.
 
@@ -31,9 +33,17 @@ from typing import Any, Protocol
 import numpy as np
 import torch
 from safetensors import SafetensorError, safe_open
+from torch.distributed.tensor import DTensor
 
 from asyncrl.checkpoint.legacy import json_parts_from_v1, parts_from_v1
-from asyncrl.checkpoint.store import FORMAT_VERSION, CheckpointError, FileSource, Verified
+from asyncrl.checkpoint.shards import ShardedFile, missing_rank_files, resolve_tensors
+from asyncrl.checkpoint.store import (
+    FORMAT_VERSION,
+    SHARDED_FORMAT_VERSION,
+    CheckpointError,
+    FileSource,
+    Verified,
+)
 from asyncrl.checkpoint.tensorfile import read_tensors, tensor_writer
 
 MODEL_FILE = "model.safetensors"
@@ -90,6 +100,8 @@ class RNGState:
 def _flatten(
     value: Any, path: str, tensors: dict[str, torch.Tensor], seen: dict[tuple[Any, ...], str]
 ) -> Any:
+    if isinstance(value, DTensor):  # this rank's shard: stored as such, with its global shape
+        return _flatten_sharded(value, path, tensors, seen)
     if isinstance(value, torch.Tensor):
         key = (
             value.untyped_storage().data_ptr(),
@@ -116,6 +128,30 @@ def _flatten(
     if value is None or isinstance(value, (bool, int, float, str)):
         return value
     raise TypeError(f"{path or 'state'}: a {type(value).__name__} cannot go into a checkpoint")
+
+
+def _flatten_sharded(
+    value: DTensor, path: str, tensors: dict[str, torch.Tensor], seen: dict[tuple[Any, ...], str]
+) -> Any:
+    """A sharded tensor (FSDP2's DTensor, rows split over the ranks): `tensors` gets the
+    DTensor itself (`local` gives the shard a file stores); the tree records its global shape.
+    Tied shards are stored once, as tied tensors are; an empty shard is never taken for a tie."""
+    shard = value.to_local()
+    key: tuple[Any, ...] = ("empty", id(value))
+    if shard.numel():
+        where = (shard.untyped_storage().data_ptr(), int(shard.storage_offset()))
+        key = ("dtensor", *where, tuple(shard.shape), tuple(value.shape), shard.dtype)
+    if key not in seen:
+        if path in tensors:
+            raise ValueError(f"two tensors would be stored as {path!r}")
+        seen[key] = path
+        tensors[path] = value.detach()
+    return {"__tensor__": seen[key], "__global__": list(value.shape)}
+
+
+def local(tensor: torch.Tensor) -> torch.Tensor:
+    """What a file stores of a tensor: this rank's shard of a DTensor, else the tensor."""
+    return tensor.to_local().contiguous() if isinstance(tensor, DTensor) else tensor
 
 
 def flatten_part(name: str, state: Any, tensors: dict[str, torch.Tensor]) -> Any:
@@ -162,13 +198,22 @@ def checkpoint_files(
     config: dict[str, Any],
     model_tensors: dict[str, torch.Tensor],
     tensors: dict[str, torch.Tensor],
+    num_shards: int = 1,
 ) -> dict[str, FileSource]:
     """The files of format 2 from the parts' JSON trees and the tensors they name: the tensor
-    files as writers that stream them, state.json as bytes."""
-    state_json = {"format_version": FORMAT_VERSION, "parts": trees, "config": config}
+    files as writers that stream them, state.json as bytes. With `num_shards` > 1 (a sharded
+    run's rank 0), format 3: the other ranks' files are written by those ranks
+    (`asyncrl.checkpoint.shards`)."""
+    state_json: dict[str, Any] = {
+        "format_version": SHARDED_FORMAT_VERSION if num_shards > 1 else FORMAT_VERSION,
+        "parts": trees,
+        "config": config,
+    }
+    if num_shards > 1:
+        state_json["num_shards"] = num_shards
     return {
-        MODEL_FILE: tensor_writer(model_tensors),
-        STATE_FILE: tensor_writer(tensors),
+        MODEL_FILE: tensor_writer({k: local(t) for k, t in model_tensors.items()}),
+        STATE_FILE: tensor_writer({k: local(t) for k, t in tensors.items()}),
         "state.json": json.dumps(state_json).encode(),
     }
 
@@ -198,11 +243,16 @@ def read_parts(verified: Verified) -> tuple[dict[str, Any], dict[str, Any]]:
         raise CheckpointError(f"{verified.path / 'state.json'}: malformed ({err!r})") from None
 
 
-def decode(verified: Verified) -> Snapshot:
+def decode(verified: Verified, templates: dict[str, Any] | None = None) -> Snapshot:
     """Reads a verified checkpoint back into a Snapshot. Each tensor file is read once, in
     chunks, straight into the tensors it holds while the same bytes are hashed
     (`Verified.read_with`): one copy of the state in memory, and a file changed since
-    verification is refused."""
+    verification is refused.
+
+    A sharded checkpoint (format 3) is read as the loading rank needs it: the parts named in
+    `templates` (part -> this rank's live state) get DTensors of this rank's rows wherever the
+    live state holds one; every other tensor is read whole, its rows gathered from every rank's
+    file (so `inspect`, `export` and `eval` read full weights)."""
     state = read_state(verified)
     try:
         model = verified.read_with(MODEL_FILE, read_tensors)
@@ -212,10 +262,22 @@ def decode(verified: Verified) -> Snapshot:
     try:
         if format_version(verified) == 1:
             return Snapshot(parts_from_v1(state, model, tensors), state["config"])
-        parts = {
-            name: unflatten(tree, model if name == MODEL_PART else tensors)
-            for name, tree in state["parts"].items()
+        num_shards = int(state.get("num_shards", 1))
+        files = {
+            MODEL_FILE: ShardedFile(verified, MODEL_FILE, model, num_shards),
+            STATE_FILE: ShardedFile(verified, STATE_FILE, tensors, num_shards),
         }
+        parts = {}
+        for name, tree in state["parts"].items():
+            file = MODEL_FILE if name == MODEL_PART else STATE_FILE
+            found = model if name == MODEL_PART else tensors
+            template = (templates or {}).get(name)
+            if num_shards > 1 or template is not None:
+                live: dict[str, torch.Tensor] = {}
+                if template is not None:
+                    flatten_part(name, template, live)
+                found = resolve_tensors(files[file], tree, tensor_refs(tree), live)
+            parts[name] = unflatten(tree, found)
         return Snapshot(parts, state["config"])
     except (KeyError, TypeError, ValueError) as err:
         raise CheckpointError(
@@ -235,6 +297,11 @@ def decode_parts(verified: Verified, names: tuple[str, ...]) -> dict[str, Any]:
         return {name: unflatten(state["parts"][name], tensors) for name in names}
     except (KeyError, TypeError, ValueError, OSError) as err:
         raise CheckpointError(f"{verified.path}: state unreadable ({err!r})") from None
+
+
+def tensor_refs(tree: Any) -> set[str]:
+    """The tensor names a part's JSON tree refers to."""
+    return _tensor_refs(tree, set())
 
 
 def _tensor_refs(tree: Any, found: set[str]) -> set[str]:
@@ -261,6 +328,14 @@ def check_tensor_files(verified: Verified, parts: dict[str, Any]) -> None:
             raise CheckpointError(f"{verified.path / name}: tensors unreadable ({err})") from None
     if format_version(verified) == 1:
         return
+    num_shards = int(read_state(verified).get("num_shards", 1))
+    missing_files = missing_rank_files(
+        verified.manifest["files"], (MODEL_FILE, STATE_FILE), num_shards
+    )
+    if missing_files:
+        raise CheckpointError(
+            f"{verified.path}: a checkpoint of {num_shards} ranks without {missing_files[0]}"
+        )
     for part, tree in parts.items():
         file = MODEL_FILE if part == MODEL_PART else STATE_FILE
         missing = sorted(_tensor_refs(tree, set()) - headers[file])

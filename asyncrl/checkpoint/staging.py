@@ -34,6 +34,7 @@ import threading
 import time
 from collections.abc import Collection
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -46,6 +47,7 @@ from asyncrl.checkpoint.snapshot import (
     Snapshot,
     checkpoint_files,
     flatten_part,
+    local,
     unflatten,
 )
 from asyncrl.checkpoint.store import FileSource
@@ -163,6 +165,11 @@ class Cut:
     )
     job: StagingJob | None = None
     area: StagingArea | None = None
+    num_shards: int = 1
+    """The trainer's ranks: > 1 makes a sharded checkpoint (format 3) whose other ranks' files
+    are `written` into `begun` already (`asyncrl.checkpoint.shards`)."""
+    begun: Path | None = None
+    written: dict[str, dict[str, Any]] = field(default_factory=dict)
 
     @property
     def step(self) -> int:
@@ -178,7 +185,11 @@ class Cut:
         files streamed from the staging buffers, state.json as bytes. Waits for the copy."""
         self.wait_staged()
         return checkpoint_files(
-            self.trees, self.config, self.tensors[MODEL_FILE], self.tensors[STATE_FILE]
+            self.trees,
+            self.config,
+            self.tensors[MODEL_FILE],
+            self.tensors[STATE_FILE],
+            self.num_shards,
         )
 
     def snapshot(self) -> Snapshot:
@@ -257,7 +268,7 @@ class StagingArea:
             file = MODEL_FILE if name == MODEL_PART else STATE_FILE
             found: dict[str, torch.Tensor] = {}
             cut.trees[name] = flatten_part(name, state, found)
-            found_all += [(name, file, t, source) for t, source in found.items()]
+            found_all += [(name, file, t, local(source)) for t, source in found.items()]
         layout = tuple((f, t, tuple(src.shape), src.dtype) for _, f, t, src in found_all)
         if layout != self._layout or self._flat is None:
             pin = any(src.is_cuda for *_, src in found_all) and torch.cuda.is_available()

@@ -57,8 +57,11 @@ FORMAT = "asyncrl-checkpoint"
 LEGACY_FORMAT = "asyncrl-checkpoint/1"
 """Manifests written before `format_version` existed: read as version 1."""
 FORMAT_VERSION = 2
-"""The version `save` writes."""
-SUPPORTED_FORMAT_VERSIONS = (1, 2)
+"""The version `save` writes for a one-process trainer."""
+SHARDED_FORMAT_VERSION = 3
+"""The version of a sharded trainer's checkpoints (`train.num_processes` > 1): format 2 plus
+every other rank's files (`asyncrl.checkpoint.shards`)."""
+SUPPORTED_FORMAT_VERSIONS = (1, 2, 3)
 """The versions this asyncrl reads (`Verified.format_version` says which one a checkpoint is)."""
 _STEP_DIR = re.compile(r"^step_(\d{6,})$")
 T = TypeVar("T")
@@ -151,10 +154,9 @@ class CheckpointStore:
         """path -> (manifest SHA-256, each file's `_stat_key`) of the checkpoints this store
         wrote or fully verified: `verify(trust_known=True)` does not re-hash those."""
 
-    def save(self, step: int, files: Mapping[str, FileSource], config_hash: str) -> Saved:
-        """Writes `files` as the checkpoint of `step` (see the module docstring). A callback
-        source is called once, on this thread, while its file is open."""
-        start = time.perf_counter()
+    def begin(self, step: int) -> Path:
+        """The empty temp directory the checkpoint of `step` is written into (see the module
+        docstring): a sharded trainer's other ranks write their files there before `save`."""
         self.root.mkdir(parents=True, exist_ok=True)
         final = self.root / step_dir_name(step)
         if final.exists():
@@ -163,14 +165,32 @@ class CheckpointStore:
         if tmp.exists():
             shutil.rmtree(tmp)  # a torn write of ours: named with our run id
         tmp.mkdir()
+        return tmp
+
+    def save(
+        self,
+        step: int,
+        files: Mapping[str, FileSource],
+        config_hash: str,
+        begun: Path | None = None,
+        written: Mapping[str, dict[str, Any]] | None = None,
+        format_version: int = FORMAT_VERSION,
+    ) -> Saved:
+        """Writes `files` as the checkpoint of `step` (see the module docstring). A callback
+        source is called once, on this thread, while its file is open. `begun` is a temp dir of
+        `begin` holding files `written` already (name -> size and SHA-256 as their writers
+        hashed them while writing: other ranks' files); the manifest lists them too."""
+        start = time.perf_counter()
+        final = self.root / step_dir_name(step)
+        tmp = begun if begun is not None else self.begin(step)
         try:
-            entries: dict[str, dict[str, Any]] = {}
+            entries: dict[str, dict[str, Any]] = dict(written or {})
             for name, source in files.items():
                 entries[name] = _write_synced(tmp / name, source)
                 fault_point("checkpoint.file_written")
             manifest = {
                 "format": FORMAT,
-                "format_version": FORMAT_VERSION,
+                "format_version": format_version,
                 "run_id": self.run_id,
                 "step": step,
                 "config_hash": config_hash,

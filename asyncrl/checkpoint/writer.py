@@ -22,7 +22,7 @@ from collections.abc import Callable
 from typing import Any
 
 from asyncrl.checkpoint.staging import Cut
-from asyncrl.checkpoint.store import CheckpointStore
+from asyncrl.checkpoint.store import FORMAT_VERSION, SHARDED_FORMAT_VERSION, CheckpointStore
 
 
 class CheckpointWriter:
@@ -64,7 +64,14 @@ class CheckpointWriter:
     def _write(self, step: int, cut: Cut, info: dict[str, Any]) -> None:
         try:
             start = time.perf_counter()
-            saved = self.store.save(step, cut.files(), self.config_hash)
+            saved = self.store.save(
+                step,
+                cut.files(),
+                self.config_hash,
+                begun=cut.begun,
+                written=cut.written,
+                format_version=SHARDED_FORMAT_VERSION if cut.num_shards > 1 else FORMAT_VERSION,
+            )
             cut.release()
             written_s = time.perf_counter() - start
             self.store.verify_saved(saved.path, step)
