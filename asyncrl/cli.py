@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import sys
 from pathlib import Path
+from typing import Any
 
 from asyncrl.config import ConfigError
 from asyncrl.config_keys import load_config
@@ -77,14 +78,24 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return args
 
 
+def torch_device(name: str) -> Any:
+    import torch
+
+    return torch.device(name)
+
+
 def _train(args: argparse.Namespace) -> int:
     from asyncrl.algos.update import NonFiniteLoss
     from asyncrl.checkpoint.store import CheckpointError
+    from asyncrl.distributed.trainer_ranks import RankFailed, serve, this_rank
     from asyncrl.rollout.collector import GenerationFailed
     from asyncrl.train.rundir import RunDirError
     from asyncrl.train.signals import EXIT_PREEMPTED, Preempted, StopRequest
     from asyncrl.train.trainer import train
 
+    if this_rank() > 0:  # torchrun started this rank: it answers rank 0 (asyncrl.distributed)
+        config = load_config(args.config, args.overrides)
+        return serve(torch_device(config.train.device))
     stop = StopRequest()
     stop.install()
     try:
@@ -97,7 +108,7 @@ def _train(args: argparse.Namespace) -> int:
         return EXIT_BAD_INPUT
     except Preempted:
         return EXIT_PREEMPTED
-    except (GenerationFailed, NonFiniteLoss, CheckpointError) as err:
+    except (GenerationFailed, NonFiniteLoss, CheckpointError, RankFailed) as err:
         print(f"asyncrl: error: {err}", file=sys.stderr)
         print(
             "asyncrl: the newest verified checkpoint is intact; fix the cause and rerun the "

@@ -272,9 +272,16 @@ class TrainConfig:
     the same log-probs and gradients (up to float summation order) for a G-th of the prompt
     tokens' work. `false`: one full pass per sample (a model whose KV cache cannot carry a
     gradient needs it)."""
+    num_processes: int = field(default=1, metadata=MAY_CHANGE_UNLESS_DETERMINISTIC)
+    """Trainer ranks, data-parallel on `torch.distributed` with FSDP2 (`gloo` on CPU, `nccl`
+    on GPUs: rank r of a node on `cuda:r`): each trains a contiguous block of every step's N*G
+    samples; weights, gradients and AdamW moments are sharded, 1/P per rank. `asyncrl train`
+    starts the ranks on this machine itself, or joins those torchrun started (WORLD_SIZE must
+    equal it). Resuming with another value reshards the checkpoint."""
 
     def validate(self) -> None:
         _check_device("train.device", self.device)
+        _require(self.num_processes >= 1, "train.num_processes", self.num_processes, ">= 1")
         _require(
             self.micro_batch_size >= 0, "train.micro_batch_size", self.micro_batch_size, ">= 0"
         )

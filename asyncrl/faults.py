@@ -22,6 +22,8 @@ POINTS = (
     "collector.group_buffered",  # one group moved from in flight to the buffer
     "collector.chunk_done",  # one chunk of a batch appended to its partial generations
     "engine.decode_step",  # the torch engine is about to sample one more token of a batch
+    "rank.step_done",  # a trainer rank > 0 finished its share of a step (train.num_processes)
+    "checkpoint.rank_file_written",  # a trainer rank > 0 wrote one of its checkpoint files
 )
 WORKER_POINTS = (
     "worker.generate",  # a Ray generation worker actor received a batch (kills the actor)

@@ -6,8 +6,11 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+import torch
+
 from asyncrl.algos import algorithm_class
 from asyncrl.algos.base import Algorithm
+from asyncrl.algos.parallel import SINGLE, Ranks
 from asyncrl.config import Config
 from asyncrl.core.buffer import Buffer, ReplayBuffer
 from asyncrl.core.ledger import Ledger
@@ -69,20 +72,39 @@ class Components:
         steps.clear()
 
 
-def build_components(config: Config, on_batch: OnBatch | None = None) -> Components:
-    rollout = config.rollout
-    check_engine(config)
-    train_device = resolve_device("train.device", config.train.device)
-    if rollout.backend == "threads":  # on Ray the device is the workers' (checked there)
-        resolve_device("rollout.device", rollout.device)
+def build_trainer_side(
+    config: Config, ranks: Ranks = SINGLE, device: torch.device | None = None
+) -> tuple[Task, Policy, Callable[[], Algorithm]]:
+    """What every trainer rank builds: the task, the policy on `train.device` (this rank's
+    `device` with ranks), and a function that builds the algorithm — called once the engine
+    and the evaluator have copied the full policy, since the algorithm shards it with ranks."""
+    train_device = device or resolve_device("train.device", config.train.device)
     task = load_task(config.data)
     policy = load_policy(config.model, config.run.seed, task.alphabet())
     place(policy.model, train_device)
+
+    def build_algorithm() -> Algorithm:
+        # built before any checkpoint is loaded: a critic or reference copies the initial weights
+        return algorithm_class(config.algo.name)(policy, config, ranks)
+
+    return task, policy, build_algorithm
+
+
+def build_components(
+    config: Config,
+    on_batch: OnBatch | None = None,
+    ranks: Ranks = SINGLE,
+    device: torch.device | None = None,
+) -> Components:
+    """Rank 0's (the only rank's) run: generation, the ledger, the buffer, the algorithm."""
+    rollout = config.rollout
+    check_engine(config)
+    if rollout.backend == "threads":  # on Ray the device is the workers' (checked there)
+        resolve_device("rollout.device", rollout.device)
+    task, policy, build_algorithm = build_trainer_side(config, ranks, device)
     prompts = encode_prompts(task, policy.tokenizer, rollout.max_new_tokens, policy.max_seq_len)
     stream = PromptStream(len(task.examples), rollout.num_prompts_per_step, config.run.seed)
     ledger = Ledger(stream)
-    # built before any checkpoint is loaded: a critic or reference copies the initial weights
-    algo = algorithm_class(config.algo.name)(policy, config)
     spec = EngineSpec(
         policy.model,
         policy.eos_id,
@@ -104,9 +126,15 @@ def build_components(config: Config, on_batch: OnBatch | None = None) -> Compone
         buffer = ReplayBuffer(rollout.num_prompts_per_step, rollout.buffer_capacity)
         weights = CopyWeightSync(config.kept_weight_versions, rollout.device, DTYPES[rollout.dtype])
         engine = build_engine(rollout.engine, spec, weights)
-    weights.publish(0, algo.policy_weights())
     pool = task_reward_pool(task, rollout)
     shutdown.append(pool.close)
+    try:
+        evaluator = build_evaluator(config, policy, task, pool) if config.eval.every_steps else None
+        algo = build_algorithm()  # after the engine and evaluator copied the full policy
+        weights.publish(0, algo.policy_weights())
+    except BaseException:
+        Components.run_steps(shutdown)  # what the backend started, and the reward pool
+        raise
     scorer = Scorer(task, policy.tokenizer, pool)
     collector = Collector(
         ledger=ledger,
@@ -127,12 +155,20 @@ def build_components(config: Config, on_batch: OnBatch | None = None) -> Compone
         mid_generation_updates=rollout.update_weights_mid_generation,
         weights=weights,
     )
-    parts = Components(
-        policy, task, stream, ledger, buffer, weights, engine, collector, algo, scorer, shutdown
+    return Components(
+        policy,
+        task,
+        stream,
+        ledger,
+        buffer,
+        weights,
+        engine,
+        collector,
+        algo,
+        scorer,
+        shutdown,
+        evaluator,
     )
-    if config.eval.every_steps:
-        parts.evaluator = build_evaluator(config, policy, task, pool)
-    return parts
 
 
 def _ray_backend(

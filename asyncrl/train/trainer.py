@@ -43,6 +43,7 @@ from asyncrl.config import Config
 from asyncrl.config_keys import benign_differences, config_hash
 from asyncrl.core.buffer import tokens_per_group
 from asyncrl.core.resume import ResumePlan, plan_resume
+from asyncrl.distributed.trainer_ranks import RankFailed, RankGroup, launch, restore_templates
 from asyncrl.faults import fault_point
 from asyncrl.rollout.collector import Chunk, GenerationFailed
 from asyncrl.train.components import build_components
@@ -85,7 +86,13 @@ class Trainer:
     """Drives one launch of a run: resumes if the run dir has a verified checkpoint, trains to
     `run.max_num_steps`, checkpoints, reports."""
 
-    def __init__(self, config: Config, run: RunDir, stop: StopRequest | None = None) -> None:
+    def __init__(
+        self,
+        config: Config,
+        run: RunDir,
+        stop: StopRequest | None = None,
+        group: RankGroup | None = None,
+    ) -> None:
         self.config = config
         self.run_dir = run.path
         self.run = run
@@ -94,8 +101,16 @@ class Trainer:
             torch.set_num_threads(config.run.torch_threads)
         torch.use_deterministic_algorithms(config.run.deterministic)  # process-wide: set both ways
         self.logs = RunLogs(self.run_dir, config.logging, config.to_dict())
+        self.group = group
+        """The other trainer ranks (`train.num_processes` > 1), else None."""
+        self._published: dict[str, torch.Tensor] = {}
+        """With ranks: the full weights last published (the policy itself is sharded)."""
         try:
-            self.parts = build_components(config, self._on_batch)
+            if group is None:
+                self.parts = build_components(config, self._on_batch)
+            else:
+                ranks = group.ranks
+                self.parts = build_components(config, self._on_batch, ranks, ranks.device)
         except BaseException:
             self.logs.close()  # nothing of a launch that never started stays open
             raise
@@ -160,23 +175,7 @@ class Trainer:
 
     def restore(self, snapshot: Snapshot) -> ResumePlan:
         """Loads every part, then applies `checkpoint.resume_policy`; returns the plan."""
-        parts = self.stateful_parts()
-        missing = sorted(set(parts) - set(snapshot.parts))
-        if missing:
-            raise CheckpointError(
-                f"the checkpoint of step {snapshot.step} has no {', '.join(missing)} part"
-            )
-        for name, part in parts.items():
-            state, skip = snapshot.parts[name], _skipped(name)  # skip: empty in real use
-            if "*" in skip:
-                continue
-            if skip:
-                fresh = part.state_dict()
-                state = {k: fresh[k] if k in skip else v for k, v in state.items()}
-            try:
-                part.load_state_dict(state)
-            except CheckpointError as err:
-                raise CheckpointError(f"the checkpoint of step {snapshot.step}: {err}") from None
+        load_parts(self.stateful_parts(), snapshot)
         ledger, buffer = self.parts.ledger, self.parts.buffer
         tokens = tokens_per_group(snapshot.parts["buffer"])
         saved = ledger.saved(self.step, buffer.ordinals_and_targets(), tokens)
@@ -201,7 +200,19 @@ class Trainer:
                 print(f"asyncrl: no verified checkpoint; from step 0 (attempt {self.attempt})")
             return
         start = time.perf_counter()
-        snapshot = decode(self.run.latest)  # the only read of its tensors; dropped below
+        latest, templates = self.run.latest, None
+        if self.group is not None:  # every rank loads its own rows, at the same time
+            self.group.command(
+                "restore",
+                path=str(latest.path),
+                step=latest.step,
+                manifest=latest.manifest,
+                format_version=latest.format_version,
+                manifest_sha256=latest.manifest_sha256,
+            )
+            parts = {"model": self.parts.policy.model, "algorithm": self.parts.algo}
+            templates = restore_templates(parts)
+        snapshot = decode(latest, templates)  # the only read of its tensors; dropped below
         cursor = int(snapshot.parts["stream"]["cursor"])
         saved_config = snapshot.config
         plan = self.restore(snapshot)
@@ -316,6 +327,8 @@ class Trainer:
 
     def _wait_check(self) -> None:
         self.parts.collector.check()
+        if self.group is not None:
+            self.group.check_alive()
         n = self.config.rollout.num_prompts_per_step
         self.parts.collector.check_step_can_complete(self.step, n)
         if self.stop.requested:
@@ -327,6 +340,8 @@ class Trainer:
         wait_start = time.perf_counter()
         groups = self.parts.buffer.sample(step, check=self._wait_check)
         train_start = time.perf_counter()
+        if self.group is not None:
+            self.group.command("step", step=step, groups=groups)
         algo_metrics = self.parts.algo.step(groups, step)
         fault_point("train.optimizer_step")
         trained = time.perf_counter()
@@ -367,7 +382,7 @@ class Trainer:
         if self.stop.requested:  # a preempted machine's grace period is for the checkpoint
             self.logs.events.emit("eval_skipped", version=version, reason="stop requested")
             return {}
-        metrics = evaluator.evaluate(version, self.parts.algo.policy_weights())
+        metrics = evaluator.evaluate(version, self._full_weights())
         self.logs.events.emit("eval", step=version - 1, version=version, **metrics)
         return metrics
 
@@ -379,6 +394,14 @@ class Trainer:
         self.writer.wait()
         capture_start = time.perf_counter()
         cut, pause_s = self.capture()
+        if self.group is not None:  # the other ranks write their files into the same dir
+            try:
+                cut.begun = self.run.store.begin(self.step)
+                cut.written = self.group.checkpoint(self.step, cut.begun)
+            except BaseException:
+                cut.release()
+                raise
+            cut.num_shards = self.group.world_size
         info = {
             "blocked_s": time.perf_counter() - start,
             "previous_write_wait_s": capture_start - start,
@@ -392,8 +415,15 @@ class Trainer:
             self.writer.wait()
 
     def _publish_weights(self, version: int) -> None:
-        self.parts.weights.publish(version, self.parts.algo.policy_weights())
+        weights = self.parts.algo.policy_weights()  # with ranks: a gather on every rank
+        if self.group is not None:
+            self._published = weights
+        self.parts.weights.publish(version, weights)
         self.parts.collector.publish_version(version)
+
+    def _full_weights(self) -> dict[str, torch.Tensor]:
+        """The policy's full weights as last published (with one rank: the live ones)."""
+        return self._published if self.group is not None else self.parts.algo.policy_weights()
 
     def _on_batch(self, chunk: Chunk) -> None:
         self.logs.timeline.write(
@@ -422,7 +452,11 @@ class Trainer:
     def finish(self) -> str:
         wall_s = time.perf_counter() - self._start_s
         transformers.utils.logging.disable_progress_bar()
-        self.parts.policy.model.save_pretrained(self.run_dir / "final_model")
+        model = self.parts.policy.model
+        if self.group is None:
+            model.save_pretrained(self.run_dir / "final_model")
+        else:  # the sharded model's full weights, as published after the last step
+            model.save_pretrained(self.run_dir / "final_model", state_dict=self._published)
         self.parts.policy.tokenizer.save_pretrained(self.run_dir / "final_model")
         self.logs.events.emit("end", step=self.step, wall_s=wall_s)
         self.close()
@@ -432,6 +466,27 @@ class Trainer:
         self.logs.close()
 
 
+def load_parts(parts: dict[str, Stateful], snapshot: Snapshot) -> None:
+    """Loads each of `parts` from the snapshot (less what `ASYNCRL_TEST_SKIP_RESTORE` names);
+    refuses a snapshot without one of them."""
+    missing = sorted(set(parts) - set(snapshot.parts))
+    if missing:
+        raise CheckpointError(
+            f"the checkpoint of step {snapshot.step} has no {', '.join(missing)} part"
+        )
+    for name, part in parts.items():
+        state, skip = snapshot.parts[name], _skipped(name)  # skip: empty in real use
+        if "*" in skip:
+            continue
+        if skip:
+            fresh = part.state_dict()
+            state = {k: fresh[k] if k in skip else v for k, v in state.items()}
+        try:
+            part.load_state_dict(state)
+        except CheckpointError as err:
+            raise CheckpointError(f"the checkpoint of step {snapshot.step}: {err}") from None
+
+
 def train(
     config: Config,
     run_dir: Path,
@@ -439,19 +494,30 @@ def train(
     restart: bool = False,
     force_config: bool = False,
 ) -> str:
-    """Starts or resumes the run in `run_dir`; returns the end-of-run summary."""
+    """Starts or resumes the run in `run_dir`; returns the end-of-run summary. With
+    `train.num_processes` > 1 this process is rank 0 and starts the others (unless torchrun
+    did)."""
     run = open_run_dir(run_dir, config, restart=restart, force_config=force_config)
+    group, graceful = None, False
     try:
-        trainer = Trainer(config, run, stop)
+        group = launch(config)
+        trainer = Trainer(config, run, stop, group)
         try:
-            return trainer.run_to_end()
-        except BaseException:
+            summary = trainer.run_to_end()
+            graceful = True
+            return summary
+        except BaseException as err:
+            graceful = isinstance(err, Preempted)  # the other ranks wait for a command
             with contextlib.suppress(BaseException):
                 trainer.writer.wait()  # a write in progress is still a good checkpoint
             trainer.close()
+            if group is not None and not isinstance(err, RankFailed) and group.dead():
+                raise group.failure(err) from err  # the cause, not the symptom
             raise
         finally:
             trainer.parts.shutdown()  # Ray actors and a local Ray, if this run started them
     finally:
+        if group is not None:
+            group.close(graceful)
         if run.lock is not None:
             run.lock.close()  # releases the run dir lock

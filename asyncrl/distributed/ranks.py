@@ -1,0 +1,99 @@
+"""The trainer's ranks on `torch.distributed`: FSDP2 sharding and the few collectives a step
+needs (`asyncrl.algos.parallel.Ranks`), `gloo` on CPU and `nccl` on GPUs.
+
+Every rank trains; rank 0 also owns the collector, ledger, buffer and run dir and tells the
+others what to do (`asyncrl.distributed.rank_worker`). Sharding: each decoder block (the
+classes in the model's `_no_split_modules`, as transformers names them) is one FSDP2 unit, the
+rest (embeddings, final norm, head) the root's; parameters, gradients and AdamW moments are
+1/P per rank. Gradients are reduce-scattered as sums (no division by P): the losses are already
+divided by the step's one global normaliser.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.fsdp import FSDPModule, fully_shard
+
+TIMEOUT = datetime.timedelta(minutes=30)
+"""How long a collective may wait for a slow rank before it fails (a dead rank's closed
+connection fails it at once)."""
+
+
+class TorchRanks:
+    """This process's place in the trainer's `torch.distributed` group (already initialised
+    by `init_ranks`)."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.rank = dist.get_rank()
+        self.world_size = dist.get_world_size()
+        self.device = device
+        self.mesh: DeviceMesh = init_device_mesh(device.type, (self.world_size,))
+
+    def shard(self, module: torch.nn.Module) -> None:
+        blocks = set(getattr(module, "_no_split_modules", None) or ())
+        units = [m for m in module.modules() if type(m).__name__ in blocks and m is not module]
+        for unit in units:
+            fully_shard(unit, mesh=self.mesh)
+        fully_shard(module, mesh=self.mesh)
+        for unit in [*units, module]:
+            assert isinstance(unit, FSDPModule)
+            unit.set_gradient_divide_factor(1.0)  # sums: the losses are globally normalised
+            unit.set_force_sum_reduction_for_comms(True)  # gloo has no PREMUL_SUM
+
+    def sum(self, values: list[float]) -> list[float]:
+        tensor = torch.tensor(values, dtype=torch.float64, device=self._comm_device)
+        dist.all_reduce(tensor)
+        return [float(v) for v in tensor.cpu()]
+
+    def gather(self, value: Any) -> list[Any]:
+        out: list[Any] = [None] * self.world_size
+        dist.all_gather_object(out, value)
+        return out
+
+    def assemble(
+        self, pieces: list[tuple[slice, torch.Tensor]], num_rows: int, like: torch.Tensor
+    ) -> torch.Tensor:
+        full = torch.zeros((num_rows, *like.shape[1:]), dtype=like.dtype, device=like.device)
+        for rows, values in pieces:
+            full[rows] = values
+        dist.all_reduce(full)  # every row is one rank's, the others add zeros: exact
+        return full
+
+    def full_weights(self, module: torch.nn.Module) -> dict[str, torch.Tensor]:
+        options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+        full = get_model_state_dict(module, options=options)
+        return {name: value for name, value in full.items() if isinstance(value, torch.Tensor)}
+
+    def broadcast(self, value: Any = None) -> Any:
+        """Rank 0's `value` on every rank (a command and its data: small objects and the
+        step's groups)."""
+        box = [value]
+        dist.broadcast_object_list(box, src=0)
+        return box[0]
+
+    @property
+    def _comm_device(self) -> torch.device:
+        return self.device if self.device.type == "cuda" else torch.device("cpu")
+
+    def close(self) -> None:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def init_ranks(device: torch.device) -> TorchRanks:
+    """Joins the group that `RANK`, `WORLD_SIZE`, `MASTER_ADDR` and `MASTER_PORT` describe
+    (set by `asyncrl train`'s launcher or by torchrun). On GPUs rank r of a node uses
+    `cuda:LOCAL_RANK`."""
+    if device.type == "cuda":
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+        torch.cuda.set_device(device)
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    dist.init_process_group(backend, timeout=TIMEOUT)
+    return TorchRanks(device)

@@ -1,0 +1,296 @@
+"""`train.num_processes` > 1: the trainer's ranks — how they start, and what ranks 1..P-1 do.
+
+    rank 0 (the `asyncrl train` process)               ranks 1..P-1 (`serve`)
+    ------------------------------------               ----------------------
+    run dir, lock, collector, ledger, buffer           policy + algorithm only
+    build: algo (sharded), publish v0  ── gather ──    build: algo (sharded), gather
+    resume: "restore" ────────────────────────────▶    load own rows of model + algorithm
+    step t: groups = buffer.sample(t)
+            "step" + the N groups ────────────────▶    algo.step(groups, t) on its rows
+            algo.step on its rows ◀─ FSDP2 reduce ─▶   (gradients summed by reduce-scatter)
+            publish v=t+1 ◀── full weights gather ─    gather
+    checkpoint: cut, store.begin ─ "checkpoint" ──▶    writes its rank files into the
+            ◀────────────── sizes + SHA-256 ──────     temp dir, hashed while written
+            writer: own files, manifest (all), rename
+    end / signal / error: "stop" ─────────────────▶    exit 0
+
+Rank 0 decides everything; the others only answer commands, so the invariants' bookkeeping
+stays in one process exactly as with one rank. Ranks 1..P-1 ignore SIGTERM and SIGINT (rank 0
+takes the emergency checkpoint, and needs them for it) and exit when rank 0's process goes
+away. A rank that dies makes rank 0's next collective, or its wait for a step's groups, fail:
+`RankFailed`, exit 1, and no checkpoint newer than the last verified one (a manifest is
+written only once every rank's files are in).
+
+Launch: `asyncrl train` starts ranks 1..P-1 itself as child processes on this machine
+(loopback rendezvous, `gloo` over `lo` on CPU). Under `torchrun` (RANK and WORLD_SIZE set) it
+starts nothing: torchrun started every rank, and rank 0 is the one with the run dir.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from asyncrl.algos.update import NonFiniteLoss
+from asyncrl.checkpoint.shards import write_rank_files
+from asyncrl.checkpoint.snapshot import Stateful, decode
+from asyncrl.checkpoint.store import Verified
+from asyncrl.config import Config
+from asyncrl.distributed.ranks import TorchRanks, init_ranks
+from asyncrl.faults import fault_point
+from asyncrl.models.device import resolve_device
+
+
+class RankFailed(RuntimeError):
+    """A trainer rank died or a collective failed: the run stops; the newest verified
+    checkpoint is intact and a rerun resumes from it."""
+
+
+def launched_by_torchrun() -> bool:
+    return int(os.environ.get("WORLD_SIZE", "1")) > 1 and "RANK" in os.environ
+
+
+def this_rank() -> int:
+    """This process's rank as its environment says (0 when nothing says)."""
+    return int(os.environ.get("RANK", "0")) if launched_by_torchrun() else 0
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class RankGroup:
+    """Rank 0's handle on the other ranks: commands out, answers in, their health."""
+
+    def __init__(self, ranks: TorchRanks, children: list[subprocess.Popen[bytes]]) -> None:
+        self.ranks = ranks
+        self.children = children
+        self.world_size = ranks.world_size
+        self._broken = False
+
+    def command(self, kind: str, **fields: Any) -> None:
+        """Tells every other rank to do `kind` (they are waiting for it)."""
+        self.check_alive()
+        self._collective(self.ranks.broadcast, {"kind": kind, **fields})
+
+    def checkpoint(self, step: int, begun: Path) -> dict[str, dict[str, Any]]:
+        """Has every other rank write its files of the checkpoint of `step` into `begun`;
+        returns their manifest entries (name -> size and SHA-256)."""
+        self.command("checkpoint", step=step, dir=str(begun))
+        written: dict[str, dict[str, Any]] = {}
+        for entries in self._collective(self.ranks.gather, None):
+            written.update(entries or {})
+        return written
+
+    def _collective(self, call: Any, value: Any) -> Any:
+        try:
+            return call(value)
+        except RuntimeError as err:
+            self._broken = True
+            raise self.failure(err) from err
+
+    def dead(self) -> list[str]:
+        return [
+            f"rank {rank} (pid {child.pid}) exited with {child.returncode}"
+            for rank, child in enumerate(self.children, start=1)
+            if child.poll() is not None
+        ]
+
+    def check_alive(self) -> None:
+        dead = self.dead()
+        if dead:
+            self._broken = True
+            raise self.failure(None)
+
+    def failure(self, err: BaseException | None) -> RankFailed:
+        dead = self.dead()
+        what = "; ".join(dead) if dead else f"a collective failed: {err}"
+        return RankFailed(
+            f"trainer {what}; the run stops with no checkpoint newer than the last verified one"
+        )
+
+    def close(self, graceful: bool) -> None:
+        """Ends the other ranks: with `graceful` (the run ended or was preempted: they are
+        waiting for a command) by telling them to stop, else (a failure left them anywhere,
+        perhaps inside a collective rank 0 will never join) by killing the ones this process
+        started; then leaves the process group."""
+        graceful = graceful and not self._broken and not self.dead()
+        if graceful:
+            try:
+                self.command("stop")
+            except RankFailed:
+                graceful = False
+        deadline = time.monotonic() + 30
+        for child in self.children:
+            if not graceful:
+                child.kill()
+            try:
+                child.wait(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                child.kill()
+                child.wait()
+        if graceful:
+            self.ranks.close()
+
+
+def launch(config: Config) -> RankGroup | None:
+    """Rank 0's start of a `train.num_processes` > 1 run: the other ranks (spawned here unless
+    torchrun started them), the process group, and the resolved config sent to every rank."""
+    world_size = config.train.num_processes
+    if world_size == 1:
+        return None
+    children: list[subprocess.Popen[bytes]] = []
+    if launched_by_torchrun():
+        if int(os.environ["WORLD_SIZE"]) != world_size:
+            raise RankFailed(
+                f"train.num_processes={world_size}, but torchrun started "
+                f"{os.environ['WORLD_SIZE']} processes; make them equal"
+            )
+    else:
+        env = {
+            "MASTER_ADDR": "127.0.0.1",  # I7: a local launch rendezvous on loopback only
+            "MASTER_PORT": str(_free_port()),
+            "WORLD_SIZE": str(world_size),
+            "GLOO_SOCKET_IFNAME": os.environ.get("GLOO_SOCKET_IFNAME", "lo"),
+        }
+        os.environ.update(env, RANK="0", LOCAL_RANK="0")
+        for rank in range(1, world_size):
+            child_env = {
+                **os.environ,
+                **env,
+                "RANK": str(rank),
+                "LOCAL_RANK": str(rank),
+                "ASYNCRL_PARENT_PID": str(os.getpid()),
+                "ASYNCRL_TRAIN_DEVICE": config.train.device,
+            }
+            argv = [sys.executable, "-m", "asyncrl.distributed.trainer_ranks"]
+            children.append(subprocess.Popen(argv, env=child_env))
+    try:
+        ranks = init_ranks(resolve_device("train.device", config.train.device))
+        ranks.broadcast(config.to_dict())
+    except BaseException:
+        for child in children:
+            child.kill()
+        raise
+    return RankGroup(ranks, children)
+
+
+# --- ranks 1..P-1 -----------------------------------------------------------------------------
+
+
+def _watch_parent(parent_pid: int) -> None:
+    """Exits this rank once the process that spawned it is gone (a SIGKILLed rank 0 cannot
+    tell it)."""
+
+    def watch() -> None:
+        while os.getppid() == parent_pid:
+            time.sleep(0.5)
+        os._exit(1)
+
+    threading.Thread(target=watch, name="asyncrl-parent-watch", daemon=True).start()
+
+
+def serve(device: torch.device) -> int:
+    """A rank > 0: joins the group, builds the policy and the algorithm from rank 0's config,
+    and answers rank 0's commands until it says stop. Returns the exit code."""
+    from asyncrl.config_keys import build_config
+    from asyncrl.train.components import build_trainer_side
+
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # rank 0 stops the run, with our help
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    if "ASYNCRL_PARENT_PID" in os.environ:
+        _watch_parent(int(os.environ["ASYNCRL_PARENT_PID"]))
+    ranks = init_ranks(device)
+    config = build_config(ranks.broadcast())
+    if config.run.torch_threads:
+        torch.set_num_threads(config.run.torch_threads)
+    torch.use_deterministic_algorithms(config.run.deterministic)
+    _, policy, build_algorithm = build_trainer_side(config, ranks, ranks.device)
+    algo = build_algorithm()
+    algo.policy_weights()  # rank 0 publishes version 0
+    parts: dict[str, Stateful] = {"model": policy.model, "algorithm": algo}
+    while True:
+        command = ranks.broadcast()
+        kind = command["kind"]
+        if kind == "stop":
+            break
+        if kind == "step":
+            try:
+                algo.step(command["groups"], command["step"])
+            except NonFiniteLoss:
+                continue  # every rank refused the step (the norm is global): rank 0 stops
+            fault_point("rank.step_done")
+            algo.policy_weights()  # rank 0 publishes the new version
+        elif kind == "checkpoint":
+            states = {name: part.state_dict() for name, part in parts.items()}
+            ranks.gather(write_rank_files(Path(command["dir"]), states, ranks.rank))
+        elif kind == "restore":
+            restore_rank(command, parts)
+            algo.policy_weights()  # rank 0 publishes the restored version
+    ranks.close()
+    return 0
+
+
+def _init_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
+    """Creates an optimizer's per-parameter state (torch creates it lazily, at the first
+    step) without moving a weight: one step on zero gradients at lr 0 (what DCP does too).
+    AdamW at lr 0 leaves every weight bit-identical, its decay included."""
+    if optimizer.state:
+        return
+    params = [p for group in optimizer.param_groups for p in group["params"] if p.requires_grad]
+    for param in params:
+        param.grad = torch.zeros_like(param)
+    lrs = [group["lr"] for group in optimizer.param_groups]
+    for group in optimizer.param_groups:
+        group["lr"] = 0.0
+    optimizer.step()
+    for group, lr in zip(optimizer.param_groups, lrs, strict=True):
+        group["lr"] = lr
+    optimizer.zero_grad(set_to_none=True)
+
+
+def restore_templates(parts: dict[str, Any]) -> dict[str, Any]:
+    """The live states a sharded restore reads this rank's rows into (`decode`'s
+    `templates`): the model's and the algorithm's, with every optimizer's state created first
+    so that its moments are DTensors like the parameters they belong to (a fresh optimizer has
+    none to show the layout)."""
+    for value in vars(parts["algorithm"]).values():
+        if isinstance(value, torch.optim.Optimizer):
+            _init_optimizer_state(value)
+    return {name: part.state_dict() for name, part in parts.items()}
+
+
+def restore_rank(command: dict[str, Any], parts: dict[str, Any]) -> None:
+    """Loads this rank's rows of the model and algorithm parts of the checkpoint rank 0 has
+    verified (its files are hash-checked again as they are read)."""
+    from asyncrl.train.trainer import load_parts
+
+    verified = Verified(
+        Path(command["path"]),
+        command["step"],
+        command["manifest"],
+        command["format_version"],
+        command["manifest_sha256"],
+    )
+    snapshot = decode(verified, restore_templates(parts))
+    load_parts(parts, snapshot)
+
+
+def main() -> int:
+    device = torch.device(os.environ.get("ASYNCRL_TRAIN_DEVICE", "cpu"))
+    return serve(device)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
