@@ -1,0 +1,79 @@
+"""One trainer rank's gradients of one training step (a helper process of
+tests/test_data_parallel.py; rank 0 writes what every rank computed between them).
+
+    python tests/rank_gradients.py GROUPS OUT SETTINGS_JSON
+
+RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT describe the group (WORLD_SIZE 1: no group at
+all, the one-process algorithm). SETTINGS_JSON: {"overrides": [...], "average": bool}; with
+`average` the ranks' gradients are averaged as FSDP2 does by default, not summed (the
+negative control).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+import torch
+
+from asyncrl.algos.parallel import SINGLE
+from asyncrl.config_keys import build_config
+from asyncrl.distributed import ranks as ranks_module
+from asyncrl.train.components import build_trainer_side
+
+
+def full(tensor: torch.Tensor) -> torch.Tensor:
+    """The whole tensor (a collective for a DTensor: every rank calls it at the same point)."""
+    full_tensor = getattr(tensor, "full_tensor", None)
+    return (full_tensor() if full_tensor else tensor).detach().clone()
+
+
+def step_gradients(groups, overrides, world_size, average=False):
+    """The gradients each optimizer step of the step applies (per parameter name, full
+    tensors), and the step's metrics."""
+    config = build_config({}, overrides)
+    ranks = SINGLE
+    if world_size > 1:
+        if average:  # FSDP2's default: the mean over ranks, not the sum
+            shard = ranks_module.TorchRanks.shard
+
+            def averaged(self, module):
+                shard(self, module)
+                for unit in module.modules():
+                    if hasattr(unit, "set_gradient_divide_factor"):
+                        unit.set_gradient_divide_factor(float(self.world_size))
+
+            ranks_module.TorchRanks.shard = averaged
+        ranks = ranks_module.init_ranks(torch.device("cpu"))
+    _, _, build_algorithm = build_trainer_side(config, ranks)
+    algo = build_algorithm()
+    models = {id(algo.optimizer): algo.model}
+    if hasattr(algo, "critic_optimizer"):
+        models[id(algo.critic_optimizer)] = algo.critic
+    seen = []
+
+    def record(optimizer, args, kwargs):
+        model = models[id(optimizer)]
+        seen.append({n: full(p.grad) for n, p in model.named_parameters() if p.grad is not None})
+
+    for optimizer_id in models:
+        optimizer = algo.optimizer if id(algo.optimizer) == optimizer_id else algo.critic_optimizer
+        optimizer.register_step_pre_hook(record)
+    metrics = algo.step(groups, 3)
+    return seen, metrics, ranks
+
+
+def main() -> None:
+    groups_path, out, settings = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
+    groups = torch.load(groups_path, weights_only=False)  # the test's own file
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    seen, metrics, ranks = step_gradients(
+        groups, settings["overrides"], world_size, settings.get("average", False)
+    )
+    if ranks.rank == 0:
+        torch.save({"grads": seen, "metrics": metrics}, out)
+
+
+if __name__ == "__main__":
+    main()

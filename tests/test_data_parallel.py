@@ -1,0 +1,138 @@
+"""Data-parallel training (`train.num_processes`): P ranks give one rank's gradients.
+
+The oracle is the one-process algorithm on the same groups; 2 and 3 real rank processes
+(`torch.distributed` on gloo, FSDP2-sharded policy, critic and reference) must reduce to the
+same gradients for every optimizer step of a training step, within float summation order,
+whatever the micro-batching (3 ranks over 12 rows with micro-batches of 3 rows need stand-in
+passes). A negative control averages the ranks' gradients (FSDP2's default) instead of summing
+them, and the comparison must catch it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from rank_gradients import step_gradients
+from test_micro_batches import ALGOS, COMMON, worst_relative_error
+from test_micro_batches import groups as groups
+
+from asyncrl.algos.parallel import rank_micro_batches, rank_rows
+from asyncrl.algos.update import micro_batches
+
+HELPER = Path(__file__).with_name("rank_gradients.py")
+CASES = {
+    "grpo": ALGOS["grpo"],
+    "ppo": ALGOS["ppo"],
+    "ppo-minibatches-epochs": ALGOS["ppo-minibatches-epochs"],
+    "grpo-full-passes": ALGOS["grpo-full-passes"],
+}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def ranks_gradients(tmp_path, groups, overrides, world_size, average=False):
+    """What `world_size` real rank processes compute for the step (rank 0's record)."""
+    groups_file, out = tmp_path / "groups.pt", tmp_path / f"out-{world_size}-{average}.pt"
+    torch.save(groups, groups_file)
+    settings = json.dumps({"overrides": overrides, "average": average})
+    env = {
+        **os.environ,
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(free_port()),
+        "WORLD_SIZE": str(world_size),
+        "GLOO_SOCKET_IFNAME": "lo",
+        "PYTHONPATH": str(HELPER.parent) + os.pathsep + os.environ.get("PYTHONPATH", ""),
+        "PYTHONWARNINGS": "ignore",
+    }
+    procs = [
+        subprocess.Popen(
+            [sys.executable, str(HELPER), str(groups_file), str(out), settings],
+            env={**env, "RANK": str(rank), "LOCAL_RANK": str(rank)},
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for rank in range(world_size)
+    ]
+    errors = [p.communicate(timeout=300)[1] for p in procs]
+    assert all(p.returncode == 0 for p in procs), "\n".join(errors)[-3000:]
+    result = torch.load(out, weights_only=False)
+    return result["grads"], result["metrics"]
+
+
+def settings(case, micro_batch_size, world_size):
+    return [
+        "run.max_num_steps=6",
+        "rollout.num_prompts_per_step=4",
+        "rollout.num_generations_per_prompt=4",
+        *COMMON,
+        *CASES[case],
+        f"train.micro_batch_size={micro_batch_size}",
+        f"train.num_processes={world_size}",
+    ]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", list(CASES))
+def test_two_and_three_ranks_give_the_one_process_gradients(case, groups, tmp_path):
+    oracle, whole = step_gradients(groups, settings(case, 0, 1), 1)[:2]
+    assert oracle and any(float(g.norm()) > 0 for g in oracle[0].values())
+    layouts = ((2, 0), (3, 0), (3, 3)) if case == "grpo" else ((2, 0), (3, 3))
+    for world_size, micro_batch_size in layouts:
+        grads, metrics = ranks_gradients(
+            tmp_path, groups, settings(case, micro_batch_size, world_size), world_size
+        )
+        error = worst_relative_error(oracle, grads)
+        label = f"{case}, {world_size} ranks, micro_batch_size={micro_batch_size}"
+        assert error <= 1e-6, f"{label}: relative gradient error {error:.2e}"
+        for key in ("loss", "entropy", "reward_mean", "num_tokens"):
+            assert metrics[key] == pytest.approx(whole[key], rel=1e-5, abs=1e-7), (label, key)
+        assert metrics.get("mismatch_tokens") == whole.get("mismatch_tokens"), label
+
+
+@pytest.mark.slow
+def test_averaging_the_ranks_gradients_would_be_caught(groups, tmp_path):
+    """Negative control: FSDP2's default reduction (the mean over ranks) is not the step's
+    gradient once the loss is divided by the global normaliser, and the comparison says so."""
+    oracle, _ = step_gradients(groups, settings("grpo", 0, 1), 1)[:2]
+    grads, _ = ranks_gradients(tmp_path, groups, settings("grpo", 0, 2), 2, average=True)
+    assert worst_relative_error(oracle, grads) > 0.4  # half the gradient: error 0.5
+
+
+def test_ranks_split_a_steps_rows_into_contiguous_blocks_with_equal_pass_counts():
+    for num_rows in range(1, 20):
+        for world_size in (1, 2, 3, 5):
+            blocks = [rank_rows(num_rows, r, world_size) for r in range(world_size)]
+            covered = [i for b in blocks for i in range(b.start, b.stop)]
+            assert covered == list(range(num_rows))  # every row once, in rank order
+            for micro_batch_size in (0, 1, 3):
+                lists = [
+                    rank_micro_batches(num_rows, micro_batch_size, r, world_size)
+                    for r in range(world_size)
+                ]
+                assert len({len(batches) for batches in lists}) == 1  # the same passes
+                real = [
+                    i
+                    for batches in lists
+                    for m in batches
+                    if m.real
+                    for i in range(m.rows.start, m.rows.stop)
+                ]
+                assert real == list(range(num_rows))
+                assert all(
+                    m.rows.stop - m.rows.start <= (micro_batch_size or num_rows or 1)
+                    for batches in lists
+                    for m in batches
+                )
+    # one rank: exactly the one-process micro-batches
+    assert [m.rows for m in rank_micro_batches(12, 5, 0, 1)] == micro_batches(12, 5)
