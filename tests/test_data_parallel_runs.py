@@ -1,0 +1,230 @@
+"""`train.num_processes` end to end: real rank processes, real SIGKILLs, sharded checkpoints.
+
+- A 2-rank run whose driver, and whose other rank, are SIGKILLed at random moments and in the
+  middle of a checkpoint resumes to the end with every step trained on exactly its ordinals
+  (I1), nothing kept regenerated (I3), and `asyncrl audit` passing.
+- A checkpoint torn on one rank only (one rank file changed) is never loaded.
+- Resharding: a checkpoint of 2 ranks resumes on 1 and then on 3 with the same schedule and
+  the same state: the weights a resumed rank layout starts from are the checkpoint's, bit for
+  bit, and one more step from the same checkpoint on 1 and on 3 ranks gives the same weights
+  (within float summation order) — a resume that skipped the resharded optimizer would not.
+- Deterministic mode on 2 ranks: killed (driver or other rank) and resumed is bitwise the
+  uninterrupted 2-rank run.
+- A 2-rank run learns the demo task.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import shutil
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from helpers import read_complete_records, read_records, run_cli
+from safetensors.torch import load_file
+from test_crash import audit, generations_per_ordinal, kill_after_steps
+from test_crash import launch as crash_launch
+from test_determinism import fingerprint
+from test_determinism import launch as det_launch
+
+pytestmark = pytest.mark.slow
+
+TWO = "train.num_processes=2"
+
+
+def rank_processes() -> list[str]:
+    """PIDs of trainer ranks > 0 started by `asyncrl train` still alive on this machine."""
+    done = subprocess.run(
+        ["pgrep", "-f", "asyncrl.distributed.trainer_ranks"], capture_output=True, text=True
+    )
+    return done.stdout.split()
+
+
+def wait_for_no_rank_processes(timeout_s: float = 20) -> None:
+    deadline = time.monotonic() + timeout_s
+    while rank_processes() and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not rank_processes(), "a trainer rank outlived its run"
+
+
+def test_two_ranks_killed_anywhere_resume_without_losing_or_redoing_anything(tmp_path, repo_root):
+    run, rng, n = tmp_path / "run", random.Random(7), 4
+    # the other rank dies while writing its files of the second checkpoint (step 6)
+    proc = crash_launch(run, repo_root, TWO, fault="checkpoint.rank_file_written:3")
+    out, _ = proc.communicate(timeout=300)
+    assert proc.returncode == 1, out
+    assert "trainer rank 1" in out and "exited with -9" in out, out
+    assert not (run / "checkpoints" / "step_000006").exists()  # no newer checkpoint than 3
+    wait_for_no_rank_processes()
+    # the other rank dies after its share of a step
+    proc = crash_launch(run, repo_root, TWO, fault="rank.step_done:5")
+    out, _ = proc.communicate(timeout=300)
+    assert proc.returncode == 1 and "trainer rank 1" in out, out
+    wait_for_no_rank_processes()
+    # the other rank is SIGKILLed at a random moment
+    proc = crash_launch(run, repo_root, TWO)
+    deadline = time.monotonic() + 120
+    while not rank_processes() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    steps_before = len(read_complete_records(run / "metrics.jsonl"))
+    while len(read_complete_records(run / "metrics.jsonl")) < steps_before + rng.randint(2, 6):
+        assert proc.poll() is None
+        time.sleep(0.01)
+    for pid in rank_processes():
+        os.kill(int(pid), signal.SIGKILL)
+    out, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 1 and "trainer rank 1" in out, out
+    wait_for_no_rank_processes()
+    # the driver (rank 0) is SIGKILLed at random moments: its other rank follows it
+    kills = 0
+    for _ in range(2):
+        kills += kill_after_steps(crash_launch(run, repo_root, TWO), run, rng.randint(2, 8))
+        wait_for_no_rank_processes()
+    assert kills == 2
+    proc = crash_launch(run, repo_root, TWO)
+    out, _ = proc.communicate(timeout=600)
+    assert proc.returncode == 0, out
+
+    metrics = read_records(run / "metrics.jsonl")
+    final = {r["step"]: r for r in metrics}
+    assert sorted(final) == list(range(45))
+    for t, record in final.items():
+        assert record["prompt_ordinals"] == list(range(t * n, (t + 1) * n))  # I1
+    resumes = [e for e in read_records(run / "events.jsonl") if e["event"] == "resume"]
+    assert len(resumes) >= 5 and all(e["skipped_ordinals"] == [] for e in resumes)
+    generated = generations_per_ordinal(run)
+    for resume in resumes:  # I3
+        for k in resume["kept_groups"]:
+            assert [a for a in generated[k] if a >= resume["attempt"]] == [], k
+    done = audit(run)
+    assert done.returncode == 0 and "45 steps" in done.stdout, done.stdout
+
+
+def short_run(run: Path, repo_root: Path, steps: int, *extra: str, skip: str = "") -> str:
+    proc = det_launch(run, repo_root, skip=skip, extra=(f"run.max_num_steps={steps}", *extra))
+    out, _ = proc.communicate(timeout=600)
+    assert proc.returncode == 0, out
+    return out
+
+
+def test_a_checkpoint_torn_on_one_rank_only_is_never_loaded(tmp_path, repo_root):
+    run = tmp_path / "run"
+    short_run(run, repo_root, 6, TWO)
+    newest = run / "checkpoints" / "step_000006"
+    manifest = json.loads((newest / "manifest.json").read_text())
+    assert manifest["format_version"] == 3
+    assert {"model.rank_001.safetensors", "state.rank_001.safetensors"} <= set(manifest["files"])
+    torn = newest / "state.rank_001.safetensors"
+    data = bytearray(torn.read_bytes())
+    data[-1] ^= 0xFF  # rank 1's last optimizer moment byte
+    torn.write_bytes(bytes(data))
+    out = short_run(run, repo_root, 6, TWO)
+    assert "skipping checkpoint" in out and "state.rank_001.safetensors" in out, out
+    assert "resumed at step 3" in out, out
+    assert audit(run).returncode == 0
+
+
+def weights(model_dir: Path) -> dict[str, torch.Tensor]:
+    return load_file(model_dir / "model.safetensors")
+
+
+def test_resharding_2_to_1_to_3_continues_the_same_schedule_from_the_same_state(
+    tmp_path, repo_root
+):
+    run = tmp_path / "run"
+    short_run(run, repo_root, 3, TWO)
+    exported = tmp_path / "step3"
+    done = run_cli("export", str(run), "--checkpoint", "step_000003", str(exported))
+    assert done.returncode == 0, done.stderr
+    # a relaunch at its own step trains nothing: it ends with the weights it restored
+    for ranks in (1, 3):
+        copy = tmp_path / f"restored-{ranks}"
+        shutil.copytree(run, copy)
+        short_run(copy, repo_root, 3, f"train.num_processes={ranks}", "--force-config")
+        restored = weights(copy / "final_model")
+        assert all(torch.equal(restored[k], v) for k, v in weights(exported).items()), ranks
+    # one more step from the same checkpoint on 1 and on 3 ranks: the same update
+    after = {}
+    for ranks, skip in ((1, ""), (3, ""), (3, "optimizer")):
+        copy = tmp_path / f"step4-{ranks}-{skip}"
+        shutil.copytree(run, copy)
+        short_run(copy, repo_root, 4, f"train.num_processes={ranks}", "--force-config", skip=skip)
+        after[ranks, skip] = weights(copy / "final_model")
+
+    def worst(a, b):
+        return max(float((a[k] - b[k]).norm() / b[k].norm()) for k in b if b[k].norm() > 0)
+
+    assert worst(after[3, ""], after[1, ""]) < 1e-5
+    assert worst(after[3, "optimizer"], after[1, ""]) > 1e-3  # negative control
+    # and the whole run goes on 2 -> 1 -> 3 ranks to its end, every step on its own ordinals
+    short_run(run, repo_root, 6, "train.num_processes=1", "--force-config")
+    short_run(run, repo_root, 9, "train.num_processes=3", "--force-config")
+    final = {r["step"]: r for r in read_records(run / "metrics.jsonl")}
+    assert sorted(final) == list(range(9))
+    assert all(final[t]["prompt_ordinals"] == list(range(4 * t, 4 * t + 4)) for t in final)
+    assert audit(run).returncode == 0
+
+
+STEPS = 12
+
+
+@pytest.fixture(scope="module")
+def two_rank_reference(tmp_path_factory, request):
+    run = tmp_path_factory.mktemp("reference") / "run"
+    short_run(run, Path(request.config.rootpath), STEPS, TWO)
+    return fingerprint(run)
+
+
+def kill_by(run: Path, repo_root: Path, fault: str) -> None:
+    extra = (f"run.max_num_steps={STEPS}", TWO)
+    proc = det_launch(run, repo_root, fault=fault, extra=extra)
+    out, _ = proc.communicate(timeout=300)
+    assert proc.returncode in (-signal.SIGKILL, 1), out  # the driver killed, or it saw a rank die
+    wait_for_no_rank_processes()
+
+
+def test_two_ranks_killed_and_resumed_are_bitwise_the_uninterrupted_two_rank_run(
+    tmp_path, repo_root, two_rank_reference
+):
+    run = tmp_path / "run"
+    kill_by(run, repo_root, "checkpoint.rank_file_written:4")  # the other rank, mid-checkpoint
+    kill_by(run, repo_root, "train.weights_published:3")  # the driver, after a step
+    kill_by(run, repo_root, "rank.step_done:2")  # the other rank, after its share of a step
+    short_run(run, repo_root, STEPS, TWO)
+    assert {r["attempt"] for r in read_records(run / "metrics.jsonl")} == {0, 1, 2, 3}
+    assert fingerprint(run) == two_rank_reference
+
+
+def test_a_two_rank_resume_that_skips_the_optimizer_is_caught(
+    tmp_path, repo_root, two_rank_reference
+):
+    run = tmp_path / "run"
+    kill_by(run, repo_root, "train.weights_published:5")
+    short_run(run, repo_root, STEPS, TWO, skip="optimizer")
+    assert fingerprint(run) != two_rank_reference
+
+
+def test_a_two_rank_run_learns_the_demo_task(tmp_path, repo_root):
+    run = tmp_path / "run"
+    done = run_cli(
+        "train",
+        str(repo_root / "configs/demo.yaml"),
+        "--run-dir",
+        str(run),
+        TWO,
+        "run.max_num_steps=150",
+        "checkpoint.save_period=50",
+        "logging.progress=false",
+        "logging.plot=false",
+        timeout=600,
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    rewards = [r["reward_mean"] for r in read_records(run / "metrics.jsonl")]
+    first, last = sum(rewards[:15]) / 15, sum(rewards[-15:]) / 15
+    assert last > first + 0.15, (first, last)
