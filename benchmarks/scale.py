@@ -170,6 +170,27 @@ def mem_available_bytes() -> int:
     return 1 << 62
 
 
+def child_pids(pid: int) -> list[int]:
+    """The direct children of `pid` (every thread's, from /proc)."""
+    found = []
+    for task in Path(f"/proc/{pid}/task").glob("*/children"):
+        try:
+            found += [int(c) for c in task.read_text().split()]
+        except OSError:
+            continue
+    return found
+
+
+def vm_rss(pid: int) -> int:
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
+
+
 class OutOfMemory(RuntimeError):
     """The run was killed before it could take the machine's last gigabyte."""
 
@@ -184,6 +205,8 @@ class RssSampler:
         self.oom = False
         self.samples: list[tuple[float, int]] = []
         self.hwm_bytes = 0
+        self.child_peak_bytes: dict[int, int] = {}
+        """Peak VmRSS of each child process (the other trainer ranks)."""
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
         self._thread.start()
@@ -198,6 +221,9 @@ class RssSampler:
             if "VmRSS" in fields:  # a zombie has none
                 self.samples.append((time.time(), int(fields["VmRSS"].split()[0]) * 1024))
                 self.hwm_bytes = int(fields["VmHWM"].split()[0]) * 1024
+            for child in child_pids(self.pid):  # trainer ranks > 0 (train.num_processes)
+                rss = vm_rss(child)
+                self.child_peak_bytes[child] = max(rss, self.child_peak_bytes.get(child, 0))
             if mem_available_bytes() < self.reserve_bytes:
                 self.oom = True
                 os.kill(self.pid, signal.SIGKILL)
@@ -231,6 +257,61 @@ def launch(
     if proc.returncode != 0:
         raise RuntimeError(f"{run_dir}: asyncrl train exited {proc.returncode}:\n{output}")
     return started, sampler
+
+
+@dataclass
+class RankResult:
+    """One rank count's run of the largest size (`--ranks`)."""
+
+    num_processes: int
+    num_params: int
+    step_s: float
+    rss_rank0: int
+    rss_other: int
+    blocked_s: float
+    ckpt_bytes: float
+
+
+def measure_ranks(label: str, tmp: Path, steps: int, extra: list[str], ranks: int) -> RankResult:
+    """The size `label` trained with `train.num_processes=ranks`: peak RSS of rank 0 (which
+    also generates) and of the largest other rank, steady step time, blocked ms per
+    checkpoint."""
+    vocab = len(train_tokenizer())
+    num_params = count_parameters("qwen2", shape_for(parse_count(label), "qwen2", vocab), vocab)
+    model_dir, run_dir = tmp / f"model-{label}", tmp / f"run-{label}-ranks{ranks}"
+    if not model_dir.exists():
+        save = [sys.executable, "-m", "asyncrl.models.scratch", str(model_dir), "--params", label]
+        subprocess.run(save, check=True, capture_output=True)
+    print(f"{label}: training {steps} steps on {ranks} ranks ...", file=sys.stderr)
+    _, sampler = launch(model_dir, run_dir, steps, [*extra, f"train.num_processes={ranks}"])
+    events = read_jsonl(run_dir / "events.jsonl")
+    checkpoints = [e for e in events if e["event"] == "checkpoint"]
+    step_s, _ = steady_state(read_jsonl(run_dir / "metrics.jsonl"))
+    shutil.rmtree(run_dir)
+    return RankResult(
+        ranks,
+        num_params,
+        step_s,
+        max((v for _, v in sampler.samples), default=0),
+        max(sampler.child_peak_bytes.values(), default=0),
+        statistics.median(blocked_s(e) for e in steady(checkpoints)),
+        statistics.median(e["bytes"] for e in checkpoints),
+    )
+
+
+def rank_line(label: str, r: RankResult) -> str:
+    """One line per rank count: `ranks: size=S num_processes=P ...`."""
+    other = (
+        f"peak_rss_other_rank={human(r.rss_other, 'B')} ({r.rss_other / r.num_params:.1f} B/param)"
+        if r.num_processes > 1
+        else "peak_rss_other_rank=-"
+    )
+    return (
+        f"ranks: size={label} num_processes={r.num_processes} "
+        f"peak_rss_rank0={human(r.rss_rank0, 'B')} ({r.rss_rank0 / r.num_params:.1f} B/param) "
+        f"{other} step_s={r.step_s:.2f} ckpt_blocked_ms={1e3 * r.blocked_s:.0f} "
+        f"ckpt={human(r.ckpt_bytes, 'B')}"
+    )
 
 
 @dataclass
@@ -401,6 +482,11 @@ def main() -> None:
     parser.add_argument(
         "--set", action="append", default=[], metavar="KEY=VALUE", help="config override"
     )
+    parser.add_argument(
+        "--ranks",
+        default="1,2,3",
+        help="train.num_processes values for the rank lines at the largest size ('' for none)",
+    )
     args = parser.parse_args()
     transformers.utils.logging.disable_progress_bar()
     labels = (QUICK_SIZES if args.quick else args.sizes).split(",")
@@ -415,6 +501,25 @@ def main() -> None:
                 print(f"{label}: does not fit in this machine's memory today ({err})")
                 shutil.rmtree(Path(tmp) / f"run-{label}", ignore_errors=True)
                 shutil.rmtree(Path(tmp) / f"model-{label}", ignore_errors=True)
+        rank_results = []
+        if results and args.ranks:
+            largest = results[-1].label
+            for ranks in [int(r) for r in args.ranks.split(",")]:
+                try:
+                    rank_results.append(
+                        measure_ranks(largest, Path(tmp), args.steps, args.set, ranks)
+                    )
+                except OutOfMemory as err:
+                    print(f"{largest} on {ranks} ranks: does not fit in memory today ({err})")
+    for result in rank_results:
+        print(rank_line(results[-1].label, result))
+    if rank_results:
+        print(
+            f"(ranks: {os.cpu_count()} CPU cores here; with more ranks than cores the ranks "
+            "share them, so step_s shows the cost of the ranks' communication and sharding, "
+            "not a speed-up; rank 0 also holds the generation engine and the full weights it "
+            "publishes)"
+        )
     report(results, disk, hashing, time.perf_counter() - began)
 
 
