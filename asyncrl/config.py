@@ -273,11 +273,9 @@ class TrainConfig:
     tokens' work. `false`: one full pass per sample (a model whose KV cache cannot carry a
     gradient needs it)."""
     num_processes: int = field(default=1, metadata=MAY_CHANGE_UNLESS_DETERMINISTIC)
-    """Trainer ranks, data-parallel on `torch.distributed` with FSDP2 (`gloo` on CPU, `nccl`
-    on GPUs: rank r of a node on `cuda:r`): each trains a contiguous block of every step's N*G
-    samples; weights, gradients and AdamW moments are sharded, 1/P per rank. `asyncrl train`
-    starts the ranks on this machine itself, or joins those torchrun started (WORLD_SIZE must
-    equal it). Resuming with another value reshards the checkpoint."""
+    """Trainer ranks: data parallel with FSDP2 on `torch.distributed` (gloo on CPU, nccl on
+    `cuda:LOCAL_RANK`), weights, gradients and AdamW moments 1/P per rank (docs/distributed.md).
+    `asyncrl train` starts them, or joins torchrun's. Another value on resume reshards."""
 
     def validate(self) -> None:
         _check_device("train.device", self.device)

@@ -274,7 +274,7 @@ def restore_templates(parts: dict[str, Any]) -> dict[str, Any]:
 def restore_rank(command: dict[str, Any], parts: dict[str, Any]) -> None:
     """Loads this rank's rows of the model and algorithm parts of the checkpoint rank 0 has
     verified (its files are hash-checked again as they are read)."""
-    from asyncrl.train.trainer import load_parts
+    from asyncrl.train.restore import load_parts
 
     verified = Verified(
         Path(command["path"]),

@@ -25,7 +25,6 @@ and backward run; its optimizer step waits for that copy (asyncrl/checkpoint/sta
 from __future__ import annotations
 
 import contextlib
-import os
 import sys
 import time
 from pathlib import Path
@@ -56,30 +55,14 @@ from asyncrl.train.records import (
     unix_time,
 )
 from asyncrl.train.report import end_of_run_report
+from asyncrl.train.restore import load_parts
 from asyncrl.train.rundir import RunDir, open_run_dir
 from asyncrl.train.signals import Preempted, StopRequest
-
-SKIP_RESTORE = frozenset(filter(None, os.environ.get("ASYNCRL_TEST_SKIP_RESTORE", "").split(",")))
-"""Test-only: pieces of state a resume deliberately does not restore, so the determinism tests
-can prove they would notice: a part (`rng`, `buffer`), `PART.KEY` of a part's state (kept at
-its freshly built value), or an alias below. Read once."""
-SKIP_ALIASES = {
-    "optimizer": ("algorithm.optimizer",),
-    "critic": ("algorithm.critic", "algorithm.critic_optimizer"),
-    "cursor": ("stream", "ledger"),
-}
-
 
 STAGED_IN_BACKGROUND = ("model", "algorithm", "generation")
 """Parts whose tensors change in place only in optimizer steps (weights, optimizer moments, a
 critic) or never (generation's older weights versions): `capture` copies them while the next
 step's forward and backward run. Every other part is copied under the cut."""
-
-
-def _skipped(name: str) -> set[str]:
-    """The keys of part `name` a resume must not restore (`"*"`: the whole part)."""
-    pieces = {p for s in SKIP_RESTORE for p in SKIP_ALIASES.get(s, (s,))}
-    return {"*" if p == name else p.partition(".")[2] for p in pieces if p.split(".")[0] == name}
 
 
 class Trainer:
@@ -464,27 +447,6 @@ class Trainer:
 
     def close(self) -> None:
         self.logs.close()
-
-
-def load_parts(parts: dict[str, Stateful], snapshot: Snapshot) -> None:
-    """Loads each of `parts` from the snapshot (less what `ASYNCRL_TEST_SKIP_RESTORE` names);
-    refuses a snapshot without one of them."""
-    missing = sorted(set(parts) - set(snapshot.parts))
-    if missing:
-        raise CheckpointError(
-            f"the checkpoint of step {snapshot.step} has no {', '.join(missing)} part"
-        )
-    for name, part in parts.items():
-        state, skip = snapshot.parts[name], _skipped(name)  # skip: empty in real use
-        if "*" in skip:
-            continue
-        if skip:
-            fresh = part.state_dict()
-            state = {k: fresh[k] if k in skip else v for k, v in state.items()}
-        try:
-            part.load_state_dict(state)
-        except CheckpointError as err:
-            raise CheckpointError(f"the checkpoint of step {snapshot.step}: {err}") from None
 
 
 def train(

@@ -1,0 +1,46 @@
+"""Loading a snapshot's parts into a run's stateful parts (rank 0's trainer and every other
+trainer rank alike), with the test-only hook that leaves pieces of state unrestored."""
+
+from __future__ import annotations
+
+import os
+
+from asyncrl.checkpoint.snapshot import Snapshot, Stateful
+from asyncrl.checkpoint.store import CheckpointError
+
+SKIP_RESTORE = frozenset(filter(None, os.environ.get("ASYNCRL_TEST_SKIP_RESTORE", "").split(",")))
+"""Test-only: pieces of state a resume deliberately does not restore, so the determinism tests
+can prove they would notice: a part (`rng`, `buffer`), `PART.KEY` of a part's state (kept at
+its freshly built value), or an alias below. Read once."""
+SKIP_ALIASES = {
+    "optimizer": ("algorithm.optimizer",),
+    "critic": ("algorithm.critic", "algorithm.critic_optimizer"),
+    "cursor": ("stream", "ledger"),
+}
+
+
+def _skipped(name: str) -> set[str]:
+    """The keys of part `name` a resume must not restore (`"*"`: the whole part)."""
+    pieces = {p for s in SKIP_RESTORE for p in SKIP_ALIASES.get(s, (s,))}
+    return {"*" if p == name else p.partition(".")[2] for p in pieces if p.split(".")[0] == name}
+
+
+def load_parts(parts: dict[str, Stateful], snapshot: Snapshot) -> None:
+    """Loads each of `parts` from the snapshot (less what `ASYNCRL_TEST_SKIP_RESTORE` names);
+    refuses a snapshot without one of them."""
+    missing = sorted(set(parts) - set(snapshot.parts))
+    if missing:
+        raise CheckpointError(
+            f"the checkpoint of step {snapshot.step} has no {', '.join(missing)} part"
+        )
+    for name, part in parts.items():
+        state, skip = snapshot.parts[name], _skipped(name)  # skip: empty in real use
+        if "*" in skip:
+            continue
+        if skip:
+            fresh = part.state_dict()
+            state = {k: fresh[k] if k in skip else v for k, v in state.items()}
+        try:
+            part.load_state_dict(state)
+        except CheckpointError as err:
+            raise CheckpointError(f"the checkpoint of step {snapshot.step}: {err}") from None
