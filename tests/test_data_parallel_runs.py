@@ -21,6 +21,7 @@ import random
 import shutil
 import signal
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -228,3 +229,45 @@ def test_a_two_rank_run_learns_the_demo_task(tmp_path, repo_root):
     rewards = [r["reward_mean"] for r in read_records(run / "metrics.jsonl")]
     first, last = sum(rewards[:15]) / 15, sum(rewards[-15:]) / 15
     assert last > first + 0.15, (first, last)
+
+
+def test_torchrun_starts_the_ranks_and_asyncrl_joins_them(tmp_path, repo_root):
+    run = tmp_path / "run"
+    command = [
+        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+        "-m", "asyncrl.cli", "train", str(repo_root / "configs/demo.yaml"), "--run-dir", str(run),
+        "run.max_num_steps=4", "checkpoint.save_period=2", "logging.progress=false",
+        "logging.plot=false",
+    ]  # fmt: skip
+    env = {**os.environ, "GLOO_SOCKET_IFNAME": "lo", "PYTHONWARNINGS": "ignore"}
+    done = subprocess.run([*command, TWO], capture_output=True, text=True, timeout=300, env=env)
+    assert done.returncode == 0, done.stdout + done.stderr
+    manifest = json.loads((run / "checkpoints/step_000004/manifest.json").read_text())
+    assert "model.rank_001.safetensors" in manifest["files"]
+    assert audit(run).returncode == 0
+    # torchrun's process count must be the config's
+    done = subprocess.run(
+        [*command, "train.num_processes=3", "--run-dir", str(tmp_path / "other")],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
+    )
+    assert done.returncode != 0
+    assert "train.num_processes: got 3, but torchrun started 2" in done.stdout + done.stderr
+
+
+def test_a_process_can_launch_two_ranked_runs_one_after_the_other(tmp_path):
+    """Rank 0 is the calling process (`train()` in Python, not the CLI): its environment is
+    left as it was, so a second launch starts its own ranks again."""
+    from helpers import small_config
+
+    from asyncrl.train.trainer import train
+
+    config = small_config(TWO, "run.max_num_steps=2", "checkpoint.save_period=2")
+    train(config, tmp_path / "run")
+    assert "RANK" not in os.environ and "MASTER_PORT" not in os.environ
+    train(small_config(TWO, "run.max_num_steps=3"), tmp_path / "run")
+    steps = [r["step"] for r in read_records(tmp_path / "run" / "metrics.jsonl")]
+    assert steps == [0, 1, 2]
+    wait_for_no_rank_processes()

@@ -11,8 +11,10 @@ divided by the step's one global normaliser.
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import os
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -87,13 +89,43 @@ class TorchRanks:
             dist.destroy_process_group()
 
 
-def init_ranks(device: torch.device) -> TorchRanks:
-    """Joins the group that `RANK`, `WORLD_SIZE`, `MASTER_ADDR` and `MASTER_PORT` describe
-    (set by `asyncrl train`'s launcher or by torchrun). On GPUs rank r of a node uses
+def init_ranks(
+    device: torch.device, rank: int | None = None, world_size: int = 1, port: int = 0
+) -> TorchRanks:
+    """Joins the trainer's process group: the one `RANK`, `WORLD_SIZE`, `MASTER_ADDR` and
+    `MASTER_PORT` describe (torchrun's, or the ranks `asyncrl train` started), or, with `rank`,
+    `world_size` and `port`, a rendezvous on 127.0.0.1:`port` with gloo over loopback (rank 0
+    of a local launch; its own environment is left as it was). On GPUs rank r of a node uses
     `cuda:LOCAL_RANK`."""
     if device.type == "cuda":
-        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+        local_rank = rank if rank is not None else int(os.environ.get("LOCAL_RANK", "0"))
+        device = torch.device("cuda", local_rank)
         torch.cuda.set_device(device)
     backend = "nccl" if device.type == "cuda" else "gloo"
-    dist.init_process_group(backend, timeout=TIMEOUT)
+    if rank is None:
+        dist.init_process_group(backend, timeout=TIMEOUT)
+    else:
+        with _environ(GLOO_SOCKET_IFNAME=os.environ.get("GLOO_SOCKET_IFNAME", "lo")):
+            dist.init_process_group(
+                backend,
+                init_method=f"tcp://127.0.0.1:{port}",
+                rank=rank,
+                world_size=world_size,
+                timeout=TIMEOUT,
+            )
     return TorchRanks(device)
+
+
+@contextlib.contextmanager
+def _environ(**values: str) -> Iterator[None]:
+    """`os.environ` with `values` set inside the block only."""
+    saved = {key: os.environ.get(key) for key in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value

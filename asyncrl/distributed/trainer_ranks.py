@@ -44,7 +44,7 @@ from asyncrl.algos.update import NonFiniteLoss
 from asyncrl.checkpoint.shards import write_rank_files
 from asyncrl.checkpoint.snapshot import Stateful, decode
 from asyncrl.checkpoint.store import Verified
-from asyncrl.config import Config
+from asyncrl.config import Config, ConfigError
 from asyncrl.distributed.ranks import TorchRanks, init_ranks
 from asyncrl.faults import fault_point
 from asyncrl.models.device import resolve_device
@@ -148,36 +148,35 @@ def launch(config: Config) -> RankGroup | None:
     """Rank 0's start of a `train.num_processes` > 1 run: the other ranks (spawned here unless
     torchrun started them), the process group, and the resolved config sent to every rank."""
     world_size = config.train.num_processes
-    if world_size == 1:
-        return None
-    children: list[subprocess.Popen[bytes]] = []
+    device = resolve_device("train.device", config.train.device)
     if launched_by_torchrun():
         if int(os.environ["WORLD_SIZE"]) != world_size:
-            raise RankFailed(
-                f"train.num_processes={world_size}, but torchrun started "
-                f"{os.environ['WORLD_SIZE']} processes; make them equal"
+            raise ConfigError(
+                f"train.num_processes: got {world_size}, but torchrun started "
+                f"{os.environ['WORLD_SIZE']} processes (WORLD_SIZE); make them equal"
             )
-    else:
-        env = {
-            "MASTER_ADDR": "127.0.0.1",  # I7: a local launch rendezvous on loopback only
-            "MASTER_PORT": str(_free_port()),
-            "WORLD_SIZE": str(world_size),
-            "GLOO_SOCKET_IFNAME": os.environ.get("GLOO_SOCKET_IFNAME", "lo"),
-        }
-        os.environ.update(env, RANK="0", LOCAL_RANK="0")
-        for rank in range(1, world_size):
-            child_env = {
-                **os.environ,
-                **env,
-                "RANK": str(rank),
-                "LOCAL_RANK": str(rank),
-                "ASYNCRL_PARENT_PID": str(os.getpid()),
-                "ASYNCRL_TRAIN_DEVICE": config.train.device,
-            }
-            argv = [sys.executable, "-m", "asyncrl.distributed.trainer_ranks"]
-            children.append(subprocess.Popen(argv, env=child_env))
+        ranks = init_ranks(device)
+        ranks.broadcast(config.to_dict())
+        return RankGroup(ranks, [])
+    if world_size == 1:
+        return None
+    port = _free_port()
+    env = {
+        **os.environ,
+        "MASTER_ADDR": "127.0.0.1",  # I7: a local launch's rendezvous is on loopback only
+        "MASTER_PORT": str(port),
+        "WORLD_SIZE": str(world_size),
+        "GLOO_SOCKET_IFNAME": os.environ.get("GLOO_SOCKET_IFNAME", "lo"),
+        "ASYNCRL_PARENT_PID": str(os.getpid()),
+        "ASYNCRL_TRAIN_DEVICE": config.train.device,
+    }
+    argv = [sys.executable, "-m", "asyncrl.distributed.trainer_ranks"]
+    children = [
+        subprocess.Popen(argv, env={**env, "RANK": str(rank), "LOCAL_RANK": str(rank)})
+        for rank in range(1, world_size)
+    ]
     try:
-        ranks = init_ranks(resolve_device("train.device", config.train.device))
+        ranks = init_ranks(device, rank=0, world_size=world_size, port=port)
         ranks.broadcast(config.to_dict())
     except BaseException:
         for child in children:
