@@ -3,16 +3,15 @@ tests/test_data_parallel.py; rank 0 writes what every rank computed between them
 
     python tests/rank_gradients.py GROUPS OUT SETTINGS_JSON
 
-RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT describe the group (WORLD_SIZE 1: no group at
-all, the one-process algorithm). SETTINGS_JSON: {"overrides": [...], "average": bool}; with
-`average` the ranks' gradients are averaged as FSDP2 does by default, not summed (the
-negative control).
+RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT describe the group. SETTINGS_JSON:
+{"cases": [[override, ...], ...], "average": bool}: each case is one freshly built algorithm
+on the same process group; with `average` the ranks' gradients are averaged as FSDP2 does by
+default, not summed (the negative control).
 """
 
 from __future__ import annotations
 
 import json
-import os
 import sys
 
 import torch
@@ -29,23 +28,23 @@ def full(tensor: torch.Tensor) -> torch.Tensor:
     return (full_tensor() if full_tensor else tensor).detach().clone()
 
 
-def step_gradients(groups, overrides, world_size, average=False):
+def average_instead_of_summing() -> None:
+    """FSDP2's default reduction from now on: the mean over ranks, not the sum."""
+    shard = ranks_module.TorchRanks.shard
+
+    def averaged(self, module):
+        shard(self, module)
+        for unit in module.modules():
+            if hasattr(unit, "set_gradient_divide_factor"):
+                unit.set_gradient_divide_factor(float(self.world_size))
+
+    ranks_module.TorchRanks.shard = averaged
+
+
+def step_gradients(groups, overrides, ranks=SINGLE):
     """The gradients each optimizer step of the step applies (per parameter name, full
     tensors), and the step's metrics."""
     config = build_config({}, overrides)
-    ranks = SINGLE
-    if world_size > 1:
-        if average:  # FSDP2's default: the mean over ranks, not the sum
-            shard = ranks_module.TorchRanks.shard
-
-            def averaged(self, module):
-                shard(self, module)
-                for unit in module.modules():
-                    if hasattr(unit, "set_gradient_divide_factor"):
-                        unit.set_gradient_divide_factor(float(self.world_size))
-
-            ranks_module.TorchRanks.shard = averaged
-        ranks = ranks_module.init_ranks(torch.device("cpu"))
     _, _, build_algorithm = build_trainer_side(config, ranks)
     algo = build_algorithm()
     models = {id(algo.optimizer): algo.model}
@@ -61,18 +60,18 @@ def step_gradients(groups, overrides, world_size, average=False):
         optimizer = algo.optimizer if id(algo.optimizer) == optimizer_id else algo.critic_optimizer
         optimizer.register_step_pre_hook(record)
     metrics = algo.step(groups, 3)
-    return seen, metrics, ranks
+    return seen, metrics
 
 
 def main() -> None:
     groups_path, out, settings = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
     groups = torch.load(groups_path, weights_only=False)  # the test's own file
-    world_size = int(os.environ.get("WORLD_SIZE", "1"))
-    seen, metrics, ranks = step_gradients(
-        groups, settings["overrides"], world_size, settings.get("average", False)
-    )
+    if settings.get("average"):
+        average_instead_of_summing()
+    ranks = ranks_module.init_ranks(torch.device("cpu"))
+    results = [step_gradients(groups, case, ranks) for case in settings["cases"]]
     if ranks.rank == 0:
-        torch.save({"grads": seen, "metrics": metrics}, out)
+        torch.save(results, out)
 
 
 if __name__ == "__main__":

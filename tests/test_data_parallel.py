@@ -41,11 +41,12 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def ranks_gradients(tmp_path, groups, overrides, world_size, average=False):
-    """What `world_size` real rank processes compute for the step (rank 0's record)."""
+def ranks_gradients(tmp_path, groups, cases, world_size, average=False):
+    """What `world_size` real rank processes compute for each case (a list of overrides), one
+    freshly built algorithm after the other on one process group: rank 0's records."""
     groups_file, out = tmp_path / "groups.pt", tmp_path / f"out-{world_size}-{average}.pt"
     torch.save(groups, groups_file)
-    settings = json.dumps({"overrides": overrides, "average": average})
+    spec = json.dumps({"cases": cases, "average": average})
     env = {
         **os.environ,
         "MASTER_ADDR": "127.0.0.1",
@@ -57,17 +58,16 @@ def ranks_gradients(tmp_path, groups, overrides, world_size, average=False):
     }
     procs = [
         subprocess.Popen(
-            [sys.executable, str(HELPER), str(groups_file), str(out), settings],
+            [sys.executable, str(HELPER), str(groups_file), str(out), spec],
             env={**env, "RANK": str(rank), "LOCAL_RANK": str(rank)},
             stderr=subprocess.PIPE,
             text=True,
         )
         for rank in range(world_size)
     ]
-    errors = [p.communicate(timeout=300)[1] for p in procs]
+    errors = [p.communicate(timeout=600)[1] for p in procs]
     assert all(p.returncode == 0 for p in procs), "\n".join(errors)[-3000:]
-    result = torch.load(out, weights_only=False)
-    return result["grads"], result["metrics"]
+    return torch.load(out, weights_only=False)
 
 
 def settings(case, micro_batch_size, world_size):
@@ -82,30 +82,36 @@ def settings(case, micro_batch_size, world_size):
     ]
 
 
+LAYOUTS = {2: (0,), 3: (0, 3)}
+"""Ranks -> micro-batch sizes: 12 rows on 2 ranks in one pass each; on 3 ranks in one pass
+each, and in passes of 3 rows (4 rows per rank: 2 passes, one of them of 1 row)."""
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("case", list(CASES))
-def test_two_and_three_ranks_give_the_one_process_gradients(case, groups, tmp_path):
-    oracle, whole = step_gradients(groups, settings(case, 0, 1), 1)[:2]
-    assert oracle and any(float(g.norm()) > 0 for g in oracle[0].values())
-    layouts = ((2, 0), (3, 0), (3, 3)) if case == "grpo" else ((2, 0), (3, 3))
-    for world_size, micro_batch_size in layouts:
-        grads, metrics = ranks_gradients(
-            tmp_path, groups, settings(case, micro_batch_size, world_size), world_size
-        )
-        error = worst_relative_error(oracle, grads)
-        label = f"{case}, {world_size} ranks, micro_batch_size={micro_batch_size}"
-        assert error <= 1e-6, f"{label}: relative gradient error {error:.2e}"
-        for key in ("loss", "entropy", "reward_mean", "num_tokens"):
-            assert metrics[key] == pytest.approx(whole[key], rel=1e-5, abs=1e-7), (label, key)
-        assert metrics.get("mismatch_tokens") == whole.get("mismatch_tokens"), label
+def test_two_and_three_ranks_give_the_one_process_gradients(groups, tmp_path):
+    oracles = {case: step_gradients(groups, settings(case, 0, 1)) for case in CASES}
+    for case, (oracle, _) in oracles.items():
+        assert oracle and any(float(g.norm()) > 0 for g in oracle[0].values()), case
+    for world_size, sizes in LAYOUTS.items():
+        layouts = [(case, size) for case in CASES for size in sizes]
+        cases = [settings(case, size, world_size) for case, size in layouts]
+        results = ranks_gradients(tmp_path, groups, cases, world_size)
+        for (case, size), (grads, metrics) in zip(layouts, results, strict=True):
+            oracle, whole = oracles[case]
+            error = worst_relative_error(oracle, grads)
+            label = f"{case}, {world_size} ranks, micro_batch_size={size}"
+            assert error <= 1e-6, f"{label}: relative gradient error {error:.2e}"
+            for key in ("loss", "entropy", "reward_mean", "num_tokens"):
+                assert metrics[key] == pytest.approx(whole[key], rel=1e-5, abs=1e-7), (label, key)
+            assert metrics.get("mismatch_tokens") == whole.get("mismatch_tokens"), label
 
 
 @pytest.mark.slow
 def test_averaging_the_ranks_gradients_would_be_caught(groups, tmp_path):
     """Negative control: FSDP2's default reduction (the mean over ranks) is not the step's
     gradient once the loss is divided by the global normaliser, and the comparison says so."""
-    oracle, _ = step_gradients(groups, settings("grpo", 0, 1), 1)[:2]
-    grads, _ = ranks_gradients(tmp_path, groups, settings("grpo", 0, 2), 2, average=True)
+    oracle, _ = step_gradients(groups, settings("grpo", 0, 1))
+    ((grads, _),) = ranks_gradients(tmp_path, groups, [settings("grpo", 0, 2)], 2, average=True)
     assert worst_relative_error(oracle, grads) > 0.4  # half the gradient: error 0.5
 
 

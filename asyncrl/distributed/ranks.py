@@ -12,6 +12,7 @@ divided by the step's one global normaliser.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import datetime
 import os
 from collections.abc import Iterator
@@ -102,6 +103,7 @@ def init_ranks(
         device = torch.device("cuda", local_rank)
         torch.cuda.set_device(device)
     backend = "nccl" if device.type == "cuda" else "gloo"
+    _fixed_mmap_threshold()
     if rank is None:
         dist.init_process_group(backend, timeout=TIMEOUT)
     else:
@@ -114,6 +116,22 @@ def init_ranks(
                 timeout=TIMEOUT,
             )
     return TorchRanks(device)
+
+
+MMAP_THRESHOLD_BYTES = 1 << 20
+
+
+def _fixed_mmap_threshold() -> None:
+    """Every allocation of 1 MiB or more in its own memory mapping, given back when freed.
+    FSDP2 allocates and frees each block's unsharded weights and gradients in every pass;
+    glibc's dynamic threshold moves such blocks into the heap after the first free, where the
+    freed memory stays (measured on a 20M-parameter model, one of 2 ranks: RSS 820-905 MB
+    after 3 steps, 522 MB with the threshold fixed). A no-op without glibc."""
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+        libc.mallopt(-3, MMAP_THRESHOLD_BYTES)  # M_MMAP_THRESHOLD
+    except (OSError, AttributeError):
+        pass
 
 
 @contextlib.contextmanager
