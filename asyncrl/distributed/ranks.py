@@ -71,8 +71,19 @@ class TorchRanks:
 
     def full_weights(self, module: torch.nn.Module) -> dict[str, torch.Tensor]:
         options = StateDictOptions(full_state_dict=True, cpu_offload=True)
-        full = get_model_state_dict(module, options=options)
-        return {name: value for name, value in full.items() if isinstance(value, torch.Tensor)}
+        full = {
+            name: value
+            for name, value in get_model_state_dict(module, options=options).items()
+            if isinstance(value, torch.Tensor)
+        }
+        tied: dict[int, list[str]] = {}  # gathered one by one, tied weights come back apart
+        for name, param in module.named_parameters(remove_duplicate=False):
+            tied.setdefault(id(param), []).append(name)
+        for first, *others in tied.values():
+            for name in others:
+                if first in full and name in full:
+                    full[name] = full[first]  # one tensor again, as in the live model
+        return full
 
     def broadcast(self, value: Any = None) -> Any:
         """Rank 0's `value` on every rank (a command and its data: small objects and the
