@@ -54,18 +54,24 @@ def shard_range(num_rows: int, rank: int, world_size: int) -> tuple[int, int]:
     return start, min(start + size, num_rows)
 
 
-def sharded_shapes(tree: Any, found: dict[str, list[int]] | None = None) -> dict[str, list[int]]:
-    """The global shape of every sharded tensor a part's JSON tree names."""
+def tensor_leaves(tree: Any, found: dict[str, dict[str, Any]] | None = None) -> dict[str, Any]:
+    """Every tensor leaf (`{"__tensor__": NAME, ...}`) of a part's JSON tree, by name."""
     found = {} if found is None else found
     if isinstance(tree, dict):
-        if "__global__" in tree:
-            found[tree["__tensor__"]] = list(tree["__global__"])
+        if "__tensor__" in tree:
+            found[tree["__tensor__"]] = tree
         for value in tree.values():
-            sharded_shapes(value, found)
+            tensor_leaves(value, found)
     elif isinstance(tree, list):
         for value in tree:
-            sharded_shapes(value, found)
+            tensor_leaves(value, found)
     return found
+
+
+def sharded_shapes(tree: Any) -> dict[str, list[int]]:
+    """The global shape of every sharded tensor a part's JSON tree names."""
+    leaves = tensor_leaves(tree).items()
+    return {name: list(leaf["__global__"]) for name, leaf in leaves if "__global__" in leaf}
 
 
 def dtensor_rows(tensor: DTensor) -> tuple[int, int]:
@@ -166,22 +172,19 @@ def missing_rank_files(
     return [name for name in wanted if name not in manifest_files]
 
 
-def write_rank_files(begun: Path, states: dict[str, Any], rank: int) -> dict[str, dict[str, Any]]:
-    """A rank > 0's share of a checkpoint: its rows of every sharded tensor of `states`
-    (part name -> live state: the model and the algorithm) written and fsynced into the temp
-    dir `begun`, hashed as they are written. Returns their manifest entries. Everything else
-    of the state is the same on every rank, and rank 0 writes it."""
-    from asyncrl.checkpoint.snapshot import MODEL_FILE, MODEL_PART, STATE_FILE, flatten_part, local
-
-    found: dict[str, dict[str, torch.Tensor]] = {MODEL_FILE: {}, STATE_FILE: {}}
-    for name, state in states.items():
-        tensors: dict[str, torch.Tensor] = {}
-        flatten_part(name, state, tensors)
-        file = MODEL_FILE if name == MODEL_PART else STATE_FILE
-        found[file].update({k: local(t) for k, t in tensors.items() if isinstance(t, DTensor)})
+def write_rank_files(
+    begun: Path, trees: dict[str, Any], tensors: dict[str, dict[str, torch.Tensor]], rank: int
+) -> dict[str, dict[str, Any]]:
+    """A rank > 0's share of a checkpoint: its rows of every sharded tensor of its staged cut
+    (`trees`: part -> JSON tree; `tensors`: file -> name -> this rank's rows, as
+    `StagingArea.stage` leaves them) written and fsynced into the temp dir `begun`, hashed as
+    they are written. Returns their manifest entries. Everything else of the state is the same
+    on every rank, and rank 0 writes it."""
+    sharded = {name for tree in trees.values() for name in sharded_shapes(tree)}
     entries = {}
-    for file, tensors in found.items():
+    for file, found in tensors.items():
         name = rank_file(file, rank)
-        entries[name] = _write_synced(begun / name, tensor_writer(tensors))
+        own = {k: t for k, t in found.items() if k in sharded}
+        entries[name] = _write_synced(begun / name, tensor_writer(own))
         fault_point("checkpoint.rank_file_written")
     return entries

@@ -36,7 +36,12 @@ from safetensors import SafetensorError, safe_open
 from torch.distributed.tensor import DTensor
 
 from asyncrl.checkpoint.legacy import json_parts_from_v1, parts_from_v1
-from asyncrl.checkpoint.shards import ShardedFile, missing_rank_files, resolve_tensors
+from asyncrl.checkpoint.shards import (
+    ShardedFile,
+    missing_rank_files,
+    resolve_tensors,
+    tensor_leaves,
+)
 from asyncrl.checkpoint.store import (
     FORMAT_VERSION,
     SHARDED_FORMAT_VERSION,
@@ -301,19 +306,7 @@ def decode_parts(verified: Verified, names: tuple[str, ...]) -> dict[str, Any]:
 
 def tensor_refs(tree: Any) -> set[str]:
     """The tensor names a part's JSON tree refers to."""
-    return _tensor_refs(tree, set())
-
-
-def _tensor_refs(tree: Any, found: set[str]) -> set[str]:
-    if isinstance(tree, dict):
-        if "__tensor__" in tree:
-            found.add(tree["__tensor__"])
-        for value in tree.values():
-            _tensor_refs(value, found)
-    elif isinstance(tree, list):
-        for value in tree:
-            _tensor_refs(value, found)
-    return found
+    return set(tensor_leaves(tree))
 
 
 def check_tensor_files(verified: Verified, parts: dict[str, Any]) -> None:
@@ -338,7 +331,7 @@ def check_tensor_files(verified: Verified, parts: dict[str, Any]) -> None:
         )
     for part, tree in parts.items():
         file = MODEL_FILE if part == MODEL_PART else STATE_FILE
-        missing = sorted(_tensor_refs(tree, set()) - headers[file])
+        missing = sorted(tensor_refs(tree) - headers[file])
         if missing:
             raise CheckpointError(
                 f"{verified.path / file}: lacks {len(missing)} tensors of part {part!r} "

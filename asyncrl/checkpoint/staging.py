@@ -29,10 +29,11 @@ files are written; the trainer waits for the writer before it stages again).
 
 from __future__ import annotations
 
+import contextlib
 import math
 import threading
 import time
-from collections.abc import Collection
+from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -166,10 +167,13 @@ class Cut:
     job: StagingJob | None = None
     area: StagingArea | None = None
     num_shards: int = 1
-    """The trainer's ranks: > 1 makes a sharded checkpoint (format 3) whose other ranks' files
-    are `written` into `begun` already (`asyncrl.checkpoint.shards`)."""
+    """The trainer's ranks: > 1 makes a sharded checkpoint (format 3) whose other ranks write
+    their files into `begun` (`asyncrl.checkpoint.shards`)."""
     begun: Path | None = None
-    written: dict[str, dict[str, Any]] = field(default_factory=dict)
+    written: Callable[[], dict[str, dict[str, Any]]] | None = None
+    """With ranks: waits for the other ranks' files and returns their manifest entries. Called
+    exactly once per cut (by the store before the manifest, or by `release`), so that every
+    rank's answer pairs with its own checkpoint."""
 
     @property
     def step(self) -> int:
@@ -208,6 +212,9 @@ class Cut:
         if self.area is not None:
             self.area.release(self)
         self.tensors = {MODEL_FILE: {}, STATE_FILE: {}}
+        if self.written is not None:  # a save that failed before its manifest
+            with contextlib.suppress(Exception):  # the save's own error is the one to report
+                self.written()
 
 
 ALIGN = 64

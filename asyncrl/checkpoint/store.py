@@ -173,21 +173,25 @@ class CheckpointStore:
         files: Mapping[str, FileSource],
         config_hash: str,
         begun: Path | None = None,
-        written: Mapping[str, dict[str, Any]] | None = None,
+        written: Callable[[], Mapping[str, dict[str, Any]]] | None = None,
         format_version: int = FORMAT_VERSION,
     ) -> Saved:
         """Writes `files` as the checkpoint of `step` (see the module docstring). A callback
         source is called once, on this thread, while its file is open. `begun` is a temp dir of
-        `begin` holding files `written` already (name -> size and SHA-256 as their writers
-        hashed them while writing: other ranks' files); the manifest lists them too."""
+        `begin` into which others write files too (a sharded trainer's other ranks); once
+        `files` are written, `written()` waits for those and returns their entries (name ->
+        size and SHA-256 as their writers hashed them while writing), which the manifest lists
+        too."""
         start = time.perf_counter()
         final = self.root / step_dir_name(step)
         tmp = begun if begun is not None else self.begin(step)
         try:
-            entries: dict[str, dict[str, Any]] = dict(written or {})
+            entries: dict[str, dict[str, Any]] = {}
             for name, source in files.items():
                 entries[name] = _write_synced(tmp / name, source)
                 fault_point("checkpoint.file_written")
+            if written is not None:
+                entries.update(written())
             manifest = {
                 "format": FORMAT,
                 "format_version": format_version,

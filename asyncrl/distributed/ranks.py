@@ -38,6 +38,9 @@ class TorchRanks:
         self.world_size = dist.get_world_size()
         self.device = device
         self.mesh: DeviceMesh = init_device_mesh(device.type, (self.world_size,))
+        self.side = dist.new_group(backend="gloo")
+        """A second group for checkpoint bookkeeping, used from writer threads while the
+        trainer threads' collectives go on in the default group."""
 
     def shard(self, module: torch.nn.Module) -> None:
         blocks = set(getattr(module, "_no_split_modules", None) or ())
@@ -84,6 +87,12 @@ class TorchRanks:
                 if first in full and name in full:
                     full[name] = full[first]  # one tensor again, as in the live model
         return full
+
+    def gather_side(self, value: Any) -> list[Any]:
+        """Every rank's `value` on every rank, over the side group (writer threads)."""
+        out: list[Any] = [None] * self.world_size
+        dist.all_gather_object(out, value, group=self.side)
+        return out
 
     def broadcast(self, value: Any = None) -> Any:
         """Rank 0's `value` on every rank (a command and its data: small objects and the

@@ -35,6 +35,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -43,7 +44,8 @@ import torch
 from asyncrl.algos.update import NonFiniteLoss
 from asyncrl.checkpoint.shards import write_rank_files
 from asyncrl.checkpoint.snapshot import Stateful, decode
-from asyncrl.checkpoint.store import Verified
+from asyncrl.checkpoint.staging import Cut, StagingArea
+from asyncrl.checkpoint.store import CheckpointError, Verified
 from asyncrl.config import Config, ConfigError
 from asyncrl.distributed.ranks import TorchRanks, init_ranks
 from asyncrl.faults import fault_point
@@ -84,14 +86,32 @@ class RankGroup:
         self.check_alive()
         self._collective(self.ranks.broadcast, {"kind": kind, **fields})
 
-    def checkpoint(self, step: int, begun: Path) -> dict[str, dict[str, Any]]:
-        """Has every other rank write its files of the checkpoint of `step` into `begun`;
-        returns their manifest entries (name -> size and SHA-256)."""
+    def checkpoint(self, step: int, begun: Path) -> Callable[[], dict[str, dict[str, Any]]]:
+        """Has every other rank stage its share of the checkpoint of `step` and write it into
+        `begun` in the background; returns the function (for rank 0's writer thread; called
+        once) that waits for their files and returns their manifest entries."""
         self.command("checkpoint", step=step, dir=str(begun))
-        written: dict[str, dict[str, Any]] = {}
-        for entries in self._collective(self.ranks.gather, None):
-            written.update(entries or {})
-        return written
+        done: list[dict[str, dict[str, Any]]] = []
+
+        def collect() -> dict[str, dict[str, Any]]:
+            if done:
+                return done[0]
+            done.append({})
+            try:
+                answers = self.ranks.gather_side(None)
+            except RuntimeError as err:
+                self._broken = True
+                raise self.failure(err) from err
+            for rank, entries in enumerate(answers[1:], start=1):
+                if "__error__" in entries:
+                    raise CheckpointError(
+                        f"trainer rank {rank} could not write its files of the checkpoint of "
+                        f"step {step}: {entries['__error__']}"
+                    )
+                done[0].update(entries)
+            return done[0]
+
+        return collect
 
     def _collective(self, call: Any, value: Any) -> Any:
         try:
@@ -219,10 +239,12 @@ def serve(device: torch.device) -> int:
     algo = build_algorithm()
     algo.policy_weights()  # rank 0 publishes version 0
     parts: dict[str, Stateful] = {"model": policy.model, "algorithm": algo}
+    writer = RankWriter(ranks)
     while True:
         command = ranks.broadcast()
         kind = command["kind"]
         if kind == "stop":
+            writer.wait()
             break
         if kind == "step":
             try:
@@ -232,13 +254,49 @@ def serve(device: torch.device) -> int:
             fault_point("rank.step_done")
             algo.policy_weights()  # rank 0 publishes the new version
         elif kind == "checkpoint":
-            states = {name: part.state_dict() for name, part in parts.items()}
-            ranks.gather(write_rank_files(Path(command["dir"]), states, ranks.rank))
+            writer.submit(Path(command["dir"]), parts)
         elif kind == "restore":
             restore_rank(command, parts)
             algo.policy_weights()  # rank 0 publishes the restored version
     ranks.close()
     return 0
+
+
+class RankWriter:
+    """A rank > 0's checkpoint writes, in the background like rank 0's: `submit` stages the
+    rank's model and algorithm state (the copy runs in a thread; the next optimizer step waits
+    for it: `asyncrl.checkpoint.staging`) and a writer thread writes its rank files, then
+    sends their entries, or the error it met, to rank 0's writer over the side group."""
+
+    def __init__(self, ranks: TorchRanks) -> None:
+        self.ranks = ranks
+        self.staging = StagingArea()
+        self._thread: threading.Thread | None = None
+
+    def submit(self, begun: Path, parts: dict[str, Stateful]) -> None:
+        self.wait()  # the previous write (its staging buffers) is done
+        states = {name: part.state_dict() for name, part in parts.items()}
+        cut = self.staging.stage(states, {}, background=tuple(parts))
+        self._thread = threading.Thread(
+            target=self._write, args=(begun, cut), name="asyncrl-rank-ckpt", daemon=True
+        )
+        self._thread.start()
+
+    def _write(self, begun: Path, cut: Cut) -> None:
+        answer: dict[str, Any]
+        try:
+            cut.wait_staged()
+            answer = write_rank_files(begun, cut.trees, cut.tensors, self.ranks.rank)
+        except BaseException as err:  # reported to rank 0, whose save then fails
+            answer = {"__error__": f"{type(err).__name__}: {err}"}
+        finally:
+            cut.release()
+        self.ranks.gather_side(answer)
+
+    def wait(self) -> None:
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
 
 
 def _init_optimizer_state(optimizer: torch.optim.Optimizer) -> None:

@@ -384,7 +384,7 @@ class Trainer:
             except BaseException:
                 cut.release()
                 raise
-            cut.num_shards = self.group.world_size
+            cut.num_shards = self.group.world_size  # (their write runs while we train on)
         info = {
             "blocked_s": time.perf_counter() - start,
             "previous_write_wait_s": capture_start - start,
