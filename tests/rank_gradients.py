@@ -3,7 +3,7 @@ tests/test_data_parallel.py; rank 0 writes what every rank computed between them
 
     python tests/rank_gradients.py GROUPS OUT SETTINGS_JSON
 
-RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT describe the group. SETTINGS_JSON:
+RANK, WORLD_SIZE and ASYNCRL_RENDEZVOUS (a file) describe the group. SETTINGS_JSON:
 {"cases": [[override, ...], ...], "average": bool}: each case is one freshly built algorithm
 on the same process group; with `average` the ranks' gradients are averaged as FSDP2 does by
 default, not summed (the negative control).

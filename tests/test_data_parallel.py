@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -35,12 +34,6 @@ CASES = {
 }
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def ranks_gradients(tmp_path, groups, cases, world_size, average=False):
     """What `world_size` real rank processes compute for each case (a list of overrides), one
     freshly built algorithm after the other on one process group: rank 0's records."""
@@ -49,8 +42,7 @@ def ranks_gradients(tmp_path, groups, cases, world_size, average=False):
     spec = json.dumps({"cases": cases, "average": average})
     env = {
         **os.environ,
-        "MASTER_ADDR": "127.0.0.1",
-        "MASTER_PORT": str(free_port()),
+        "ASYNCRL_RENDEZVOUS": str(tmp_path / f"rendezvous-{world_size}-{average}"),
         "WORLD_SIZE": str(world_size),
         "GLOO_SOCKET_IFNAME": "lo",
         "PYTHONPATH": str(HELPER.parent) + os.pathsep + os.environ.get("PYTHONPATH", ""),

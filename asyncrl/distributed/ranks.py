@@ -110,32 +110,41 @@ class TorchRanks:
             dist.destroy_process_group()
 
 
+LOCAL_RENDEZVOUS = "ASYNCRL_RENDEZVOUS"
+"""Environment variable naming the rendezvous file of a local launch (`asyncrl train` starting
+its own ranks): set for the ranks it starts."""
+
+
 def init_ranks(
-    device: torch.device, rank: int | None = None, world_size: int = 1, port: int = 0
+    device: torch.device, rank: int | None = None, world_size: int = 1, rendezvous: str = ""
 ) -> TorchRanks:
-    """Joins the trainer's process group: the one `RANK`, `WORLD_SIZE`, `MASTER_ADDR` and
-    `MASTER_PORT` describe (torchrun's, or the ranks `asyncrl train` started), or, with `rank`,
-    `world_size` and `port`, a rendezvous on 127.0.0.1:`port` with gloo over loopback (rank 0
-    of a local launch; its own environment is left as it was). On GPUs rank r of a node uses
-    `cuda:LOCAL_RANK`."""
+    """Joins the trainer's process group. A local launch (`rendezvous`, a file path, with
+    `rank` and `world_size`; or the ranks it started, which find all three in their
+    environment) meets through that file — a FileStore: no server socket at all — and runs
+    gloo over loopback. Otherwise the group is torchrun's (`RANK`, `WORLD_SIZE`,
+    `MASTER_ADDR`, `MASTER_PORT`). On GPUs rank r of a node uses `cuda:LOCAL_RANK`."""
+    if not rendezvous and LOCAL_RENDEZVOUS in os.environ:
+        rendezvous = os.environ[LOCAL_RENDEZVOUS]
+        rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     if device.type == "cuda":
         local_rank = rank if rank is not None else int(os.environ.get("LOCAL_RANK", "0"))
         device = torch.device("cuda", local_rank)
         torch.cuda.set_device(device)
     backend = "nccl" if device.type == "cuda" else "gloo"
     _fixed_mmap_threshold()
-    if rank is None:
+    if not rendezvous:
         dist.init_process_group(backend, timeout=TIMEOUT)
-    else:
-        with _environ(GLOO_SOCKET_IFNAME=os.environ.get("GLOO_SOCKET_IFNAME", "lo")):
-            dist.init_process_group(
-                backend,
-                init_method=f"tcp://127.0.0.1:{port}",
-                rank=rank,
-                world_size=world_size,
-                timeout=TIMEOUT,
-            )
-    return TorchRanks(device)
+        return TorchRanks(device)
+    # gloo picks its interface when each group is made (the side group too): loopback
+    with _environ(GLOO_SOCKET_IFNAME=os.environ.get("GLOO_SOCKET_IFNAME", "lo")):
+        dist.init_process_group(
+            backend,
+            init_method=f"file://{rendezvous}",
+            rank=rank if rank is not None else 0,
+            world_size=world_size,
+            timeout=TIMEOUT,
+        )
+        return TorchRanks(device)
 
 
 MMAP_THRESHOLD_BYTES = 1 << 20

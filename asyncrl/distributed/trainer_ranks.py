@@ -21,18 +21,20 @@ away. A rank that dies makes rank 0's next collective, or its wait for a step's 
 `RankFailed`, exit 1, and no checkpoint newer than the last verified one (a manifest is
 written only once every rank's files are in).
 
-Launch: `asyncrl train` starts ranks 1..P-1 itself as child processes on this machine
-(loopback rendezvous, `gloo` over `lo` on CPU). Under `torchrun` (RANK and WORLD_SIZE set) it
-starts nothing: torchrun started every rank, and rank 0 is the one with the run dir.
+Launch: `asyncrl train` starts ranks 1..P-1 itself as child processes on this machine (they
+meet through a file, so no rendezvous server listens anywhere; `gloo` runs over `lo`). Under
+`torchrun` (RANK and WORLD_SIZE set) it starts nothing: torchrun started every rank, and rank 0
+is the one with the run dir.
 """
 
 from __future__ import annotations
 
 import os
+import shutil
 import signal
-import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Callable
@@ -47,7 +49,7 @@ from asyncrl.checkpoint.snapshot import Stateful, decode
 from asyncrl.checkpoint.staging import Cut, StagingArea
 from asyncrl.checkpoint.store import CheckpointError, Verified
 from asyncrl.config import Config, ConfigError
-from asyncrl.distributed.ranks import TorchRanks, init_ranks
+from asyncrl.distributed.ranks import LOCAL_RENDEZVOUS, TorchRanks, init_ranks
 from asyncrl.faults import fault_point
 from asyncrl.models.device import resolve_device
 
@@ -66,18 +68,18 @@ def this_rank() -> int:
     return int(os.environ.get("RANK", "0")) if launched_by_torchrun() else 0
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 class RankGroup:
     """Rank 0's handle on the other ranks: commands out, answers in, their health."""
 
-    def __init__(self, ranks: TorchRanks, children: list[subprocess.Popen[bytes]]) -> None:
+    def __init__(
+        self,
+        ranks: TorchRanks,
+        children: list[subprocess.Popen[bytes]],
+        rendezvous_dir: Path | None = None,
+    ) -> None:
         self.ranks = ranks
         self.children = children
+        self.rendezvous_dir = rendezvous_dir
         self.world_size = ranks.world_size
         self._broken = False
 
@@ -162,6 +164,8 @@ class RankGroup:
                 child.wait()
         if graceful:
             self.ranks.close()
+        if self.rendezvous_dir is not None:
+            shutil.rmtree(self.rendezvous_dir, ignore_errors=True)
 
 
 def launch(config: Config) -> RankGroup | None:
@@ -180,11 +184,10 @@ def launch(config: Config) -> RankGroup | None:
         return RankGroup(ranks, [])
     if world_size == 1:
         return None
-    port = _free_port()
+    rendezvous = Path(tempfile.mkdtemp(prefix="asyncrl-ranks-")) / "rendezvous"
     env = {
         **os.environ,
-        "MASTER_ADDR": "127.0.0.1",  # I7: a local launch's rendezvous is on loopback only
-        "MASTER_PORT": str(port),
+        LOCAL_RENDEZVOUS: str(rendezvous),  # I7: a file, no server socket; gloo on loopback
         "WORLD_SIZE": str(world_size),
         "GLOO_SOCKET_IFNAME": os.environ.get("GLOO_SOCKET_IFNAME", "lo"),
         "ASYNCRL_PARENT_PID": str(os.getpid()),
@@ -196,13 +199,14 @@ def launch(config: Config) -> RankGroup | None:
         for rank in range(1, world_size)
     ]
     try:
-        ranks = init_ranks(device, rank=0, world_size=world_size, port=port)
+        ranks = init_ranks(device, rank=0, world_size=world_size, rendezvous=str(rendezvous))
         ranks.broadcast(config.to_dict())
     except BaseException:
         for child in children:
             child.kill()
+        shutil.rmtree(rendezvous.parent, ignore_errors=True)
         raise
-    return RankGroup(ranks, children)
+    return RankGroup(ranks, children, rendezvous.parent)
 
 
 # --- ranks 1..P-1 -----------------------------------------------------------------------------
