@@ -316,7 +316,15 @@ def test_a_process_can_launch_two_ranked_runs_one_after_the_other(tmp_path):
     config = small_config(TWO, "run.max_num_steps=2", "checkpoint.save_period=2")
     train(config, tmp_path / "run")
     assert "RANK" not in os.environ and "MASTER_PORT" not in os.environ
-    train(small_config(TWO, "run.max_num_steps=3"), tmp_path / "run")
-    steps = [r["step"] for r in read_records(tmp_path / "run" / "metrics.jsonl")]
-    assert steps == [0, 1, 2]
+    train(small_config(TWO, "run.max_num_steps=3", "eval.every_steps=3"), tmp_path / "run")
+    records = read_records(tmp_path / "run" / "metrics.jsonl")
+    assert [r["step"] for r in records] == [0, 1, 2]
     wait_for_no_rank_processes()
+    # the run evaluated the full weights it published: `asyncrl eval` of its final checkpoint
+    # (whole tensors from both ranks' files) gives the same numbers
+    from asyncrl.train.evaluation import evaluate_checkpoint
+
+    step, metrics = evaluate_checkpoint(tmp_path / "run")
+    assert step == 3
+    for key in ("eval/reward_mean", "eval/greedy_reward"):
+        assert metrics[key] == pytest.approx(records[-1][key], abs=1e-9), key
