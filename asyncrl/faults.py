@@ -22,22 +22,26 @@ POINTS = (
     "collector.group_buffered",  # one group moved from in flight to the buffer
     "collector.chunk_done",  # one chunk of a batch appended to its partial generations
     "engine.decode_step",  # the torch engine is about to sample one more token of a batch
-    "rank.step_done",  # a trainer rank > 0 finished its share of a step (train.num_processes)
-    "checkpoint.rank_file_written",  # a trainer rank > 0 wrote one of its checkpoint files
 )
 WORKER_POINTS = (
     "worker.generate",  # a Ray generation worker actor received a batch (kills the actor)
 )
 """Points in Ray worker processes. The pass count is per process, so a replaced worker
 counts again from zero."""
+RANK_POINTS = (
+    "rank.step_done",  # a trainer rank > 0 finished its share of a step (train.num_processes)
+    "checkpoint.rank_file_written",  # a trainer rank > 0 wrote one of its checkpoint files
+)
+"""Points in the trainer's other ranks (`train.num_processes` > 1; every such rank counts its
+own passes): rank 0 sees the rank die (tests/test_data_parallel_runs.py)."""
 
 
 def _parse(spec: str) -> tuple[str, int] | None:
     if not spec:
         return None
     point, _, count = spec.partition(":")
-    if point not in POINTS + WORKER_POINTS:
-        known = ", ".join(POINTS + WORKER_POINTS)
+    if point not in POINTS + WORKER_POINTS + RANK_POINTS:
+        known = ", ".join(POINTS + WORKER_POINTS + RANK_POINTS)
         raise ValueError(f"ASYNCRL_FAULT: unknown point {point!r}; known: {known}")
     return point, int(count or 1)
 
