@@ -195,7 +195,8 @@ class Trainer:
             )
             parts = {"model": self.parts.policy.model, "algorithm": self.parts.algo}
             templates = restore_templates(parts)
-        snapshot = decode(latest, templates)  # the only read of its tensors; dropped below
+        # the only read of its tensors; dropped below (one rank: the one-process call)
+        snapshot = decode(latest, templates) if templates else decode(latest)
         cursor = int(snapshot.parts["stream"]["cursor"])
         saved_config = snapshot.config
         plan = self.restore(snapshot)
