@@ -1,15 +1,43 @@
-"""Fault injection for crash tests: the process SIGKILLs itself at a named point.
+"""Fault injection for crash tests: the process SIGKILLs itself at a named point, in a named state.
 
-`ASYNCRL_FAULT=POINT` or `POINT:N` (kill on the N-th pass, default 1) is read once, at import.
-Unset — the default — every `fault_point` call is a dictionary lookup and nothing else. The
-points mark where durable or shared state changes; `POINTS` lists them all.
+`ASYNCRL_FAULT` is read once, at import. Unset — the default — every `fault_point` call is one
+comparison and nothing else. The points mark where durable or shared state changes; `POINTS`
+lists them all, and `FACTS` what each point knows of the state it is in.
+
+    POINT                         its first pass
+    POINT:N                       its N-th pass
+    POINT[FACT,FACT=V]:N          its N-th pass among those in that state: `FACT` holds where the
+                                  fact is non-zero, `FACT=V` where it equals the integer V
+    STAGE>STAGE>...               each stage counts only once the one before it was reached;
+                                  the kill is at the last one
+
+A kill is placed by the state a test needs, never by how far a machine of some speed got:
+`checkpoint.parent_fsynced[partial_tokens,finished_in_flight]>engine.decode_step` kills at the
+first decode step after a checkpoint holding partial samples became durable, on any machine;
+`train.weights_published[step=10]` right after step 10's update, whatever step the launch
+resumed at. A launch that never reaches the state is not killed, so a test sees that (exit 0,
+not -9) and says its precondition was not met.
+
+Facts come from the point's call (`fault_point("train.optimizer_step", step=t)`) and from the
+calling thread's `fault_facts(...)` context: the checkpoint writer states the facts of the cut
+it writes for every point of that write.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
+import re
 import signal
 import threading
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+CUT_FACTS = ("step", "in_flight", "buffered", "partial_tokens", "finished_in_flight")
+"""What a checkpoint write knows of its cut: its step, the ordinals in flight and the groups
+buffered in it, the tokens of its partial samples, and its finished samples of groups still in
+flight (`cut_facts`)."""
 
 POINTS = (
     "checkpoint.file_written",  # one checkpoint file written and fsynced (temp dir)
@@ -17,12 +45,13 @@ POINTS = (
     "checkpoint.renamed",  # temp dir renamed to step_NNNNNN, before the parent fsync
     "checkpoint.parent_fsynced",  # the checkpoint is durable
     "checkpoint.retention_deleted",  # one old checkpoint deleted
-    "train.optimizer_step",  # optimizer updated, weights not yet published
-    "train.weights_published",  # new version handed to the engine
-    "collector.group_buffered",  # one group moved from in flight to the buffer
+    "train.optimizer_step",  # step's optimizer update done, weights not yet published
+    "train.weights_published",  # step's new version handed to the engine
+    "collector.group_buffered",  # one chunk moved groups from in flight to the buffer
     "collector.chunk_done",  # one chunk of a batch appended to its partial generations
-    "engine.decode_step",  # the torch engine is about to sample one more token of a batch
+    "engine.decode_step",  # an engine is about to sample one more token of a batch
 )
+"""Points in the trainer's process (one-process runs: tests/test_crash.py kills at each)."""
 WORKER_POINTS = (
     "worker.generate",  # a Ray generation worker actor received a batch (kills the actor)
 )
@@ -34,28 +63,122 @@ RANK_POINTS = (
 )
 """Points in the trainer's other ranks (`train.num_processes` > 1; every such rank counts its
 own passes): rank 0 sees the rank die (tests/test_data_parallel_runs.py)."""
+FACTS: dict[str, tuple[str, ...]] = {
+    **{point: CUT_FACTS for point in POINTS if point.startswith("checkpoint.")},
+    "train.optimizer_step": ("step",),
+    "train.weights_published": ("step",),
+    "rank.step_done": ("step",),
+    "checkpoint.rank_file_written": ("step",),
+}
+"""The facts each point states; a point not named states none."""
 
 
-def _parse(spec: str) -> tuple[str, int] | None:
-    if not spec:
-        return None
-    point, _, count = spec.partition(":")
-    if point not in POINTS + WORKER_POINTS + RANK_POINTS:
-        known = ", ".join(POINTS + WORKER_POINTS + RANK_POINTS)
-        raise ValueError(f"ASYNCRL_FAULT: unknown point {point!r}; known: {known}")
-    return point, int(count or 1)
+@dataclass(frozen=True)
+class Stage:
+    """One stage of a fault spec: the `count`-th pass of `point` whose facts meet `conditions`
+    ((fact, None) holds where the fact is non-zero; (fact, V) where it equals V)."""
+
+    point: str
+    conditions: tuple[tuple[str, int | None], ...] = ()
+    count: int = 1
+
+    def holds(self, facts: dict[str, int]) -> bool:
+        for fact, value in self.conditions:
+            have = facts.get(fact)
+            if have is None or (not have if value is None else have != value):
+                return False
+        return True
 
 
-_TARGET = _parse(os.environ.get("ASYNCRL_FAULT", ""))
-_passes: dict[str, int] = {}
+_STAGE = re.compile(r"(?P<point>[a-z_.]+)(?:\[(?P<when>[^\]]*)\])?(?::(?P<count>\d+))?")
+
+
+def parse(spec: str) -> tuple[Stage, ...]:
+    """The stages of an `ASYNCRL_FAULT` value (see the module docstring); () for none. Raises
+    ValueError naming the unknown point or fact, or the part that does not parse."""
+    stages = []
+    for part in filter(None, (p.strip() for p in spec.split(">"))):
+        match = _STAGE.fullmatch(part)
+        if match is None:
+            raise ValueError(f"ASYNCRL_FAULT: {part!r} is not POINT[FACT,FACT=V]:N")
+        point = match["point"]
+        if point not in POINTS + WORKER_POINTS + RANK_POINTS:
+            known = ", ".join(POINTS + WORKER_POINTS + RANK_POINTS)
+            raise ValueError(f"ASYNCRL_FAULT: unknown point {point!r}; known: {known}")
+        conditions = []
+        for condition in filter(None, (c.strip() for c in (match["when"] or "").split(","))):
+            fact, eq, value = condition.partition("=")
+            if fact not in FACTS.get(point, ()):
+                known = ", ".join(FACTS.get(point, ())) or "none"
+                raise ValueError(
+                    f"ASYNCRL_FAULT: {point} knows no fact {fact!r}; it knows: {known}"
+                )
+            if eq and not re.fullmatch(r"-?\d+", value):
+                raise ValueError(f"ASYNCRL_FAULT: {condition!r}: the value must be an integer")
+            conditions.append((fact, int(value) if eq else None))
+        count = int(match["count"] or 1)
+        if count < 1:
+            raise ValueError(f"ASYNCRL_FAULT: {part!r}: the pass count starts at 1")
+        stages.append(Stage(point, tuple(conditions), count))
+    return tuple(stages)
+
+
+class Trigger:
+    """Walks the stages of a spec as points pass; `passed` says when the last one is reached."""
+
+    def __init__(self, stages: tuple[Stage, ...]) -> None:
+        self.stages = stages
+        self.index = 0
+        self.passes = 0
+
+    def passed(self, name: str, facts: dict[str, int]) -> bool:
+        if self.index >= len(self.stages):
+            return False
+        stage = self.stages[self.index]
+        if stage.point != name or not stage.holds(facts):
+            return False
+        self.passes += 1
+        if self.passes < stage.count:
+            return False
+        self.index, self.passes = self.index + 1, 0
+        return self.index == len(self.stages)
+
+
+_STAGES = parse(os.environ.get("ASYNCRL_FAULT", ""))
+_TRIGGER = Trigger(_STAGES) if _STAGES else None
 _lock = threading.Lock()
+_local = threading.local()
 
 
-def fault_point(name: str) -> None:
-    """Marks a crash point; kills this process with SIGKILL if `ASYNCRL_FAULT` names it."""
-    if _TARGET is None or _TARGET[0] != name:
+@contextlib.contextmanager
+def fault_facts(**facts: int) -> Iterator[None]:
+    """States `facts` for every fault point this thread passes inside the block."""
+    before = getattr(_local, "facts", {})
+    _local.facts = {**before, **facts}
+    try:
+        yield
+    finally:
+        _local.facts = before
+
+
+def fault_point(name: str, **facts: int) -> None:
+    """Marks a crash point; kills this process with SIGKILL where `ASYNCRL_FAULT` is reached."""
+    if _TRIGGER is None:
         return
     with _lock:
-        _passes[name] = _passes.get(name, 0) + 1
-        if _passes[name] == _TARGET[1]:
-            os.kill(os.getpid(), signal.SIGKILL)
+        reached = _TRIGGER.passed(name, {**getattr(_local, "facts", {}), **facts})
+    if reached:
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+def cut_facts(states: dict[str, Any]) -> dict[str, int]:
+    """The `CUT_FACTS` (less `step`) of a cut's live part states (`state_dict()` by part name:
+    the ledger's and the buffer's are read)."""
+    ledger = states["ledger"]
+    partials = ledger.get("partial", {}).values()
+    return {
+        "in_flight": len(ledger["in_flight"]),
+        "buffered": len(states["buffer"]["groups"]),
+        "partial_tokens": sum(int(p["mask"].sum()) for p in partials),
+        "finished_in_flight": sum(int(p["finished"].sum()) for p in partials),
+    }

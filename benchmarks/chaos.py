@@ -1,13 +1,16 @@
-"""Chaos: SIGKILL `asyncrl train` at random wall-clock moments, resume, repeat; then check
-I1 and I3 (`asyncrl audit`) and I4 (the newest verified checkpoint never goes backwards, every
-resume starts from it, and no torn directory is ever loaded).
+"""Chaos: SIGKILL `asyncrl train` at random moments, resume, repeat; then check I1 and I3
+(`asyncrl audit`) and I4 (the newest verified checkpoint never goes backwards, every resume
+starts from it, and no torn directory is ever loaded).
 
     .venv/bin/python benchmarks/chaos.py --trials 200      # `make chaos`
     .venv/bin/python benchmarks/chaos.py --trials 30 --set algo.name=ppo
-    .venv/bin/python benchmarks/chaos.py --trials 20 --set rollout.backend=ray --window 3 15
+    .venv/bin/python benchmarks/chaos.py --trials 20 --set rollout.backend=ray --jitter 1
 
-A trial is one launch killed at a uniformly random moment in [0.3, 5] s after it started
-(start-up, training, checkpoint writes and retention all get hit). When a run completes, it is
+A trial is one launch killed at a random moment placed by the run's state, not by the clock
+alone, so that a faster or slower machine is hit in the same places: once the launch has
+recorded a uniformly random number of new steps in [0, 12], after a further uniformly random
+delay in [0, `--jitter`] s (mid-step, mid-generation, mid-checkpoint-write, mid-retention);
+with 0 steps, at a random moment in [0, 3] s of its start-up. When a run completes, it is
 audited and a fresh run dir starts. The last line reads `chaos: K kills over R runs ...: I1,
 I3, I4 held in 100%` or names the first violation (exit 1).
 """
@@ -72,18 +75,48 @@ def resumes(run_dir: Path) -> list[dict]:
     return [e for e in read_jsonl(run_dir / "events.jsonl") if e["event"] == "resume"]
 
 
+STEPS_PER_LAUNCH = (0, 12)
+"""The range of new steps a launch records before its kill (uniform)."""
+START_UP_S = 3.0
+"""A launch killed after 0 new steps dies at a random moment of its first seconds."""
+
+
+def steps_recorded(run_dir: Path) -> int:
+    """Complete step records in the run's metrics.jsonl (a half-written last line not counted)."""
+    path = run_dir / "metrics.jsonl"
+    if not path.exists():
+        return 0
+    return path.read_bytes().count(b"\n")
+
+
+def wait_for_state(proc: subprocess.Popen, run_dir: Path, new_steps: int, delay_s: float) -> None:
+    """Returns once the launch has recorded `new_steps` more steps and `delay_s` more seconds
+    have passed, or once it has ended."""
+    before = steps_recorded(run_dir)
+    deadline = time.monotonic() + 600
+    while proc.poll() is None and time.monotonic() < deadline:
+        if steps_recorded(run_dir) >= before + new_steps:
+            break
+        time.sleep(0.005)
+    end = time.monotonic() + delay_s
+    while proc.poll() is None and time.monotonic() < end:
+        time.sleep(0.005)
+
+
 def launch_and_check(
-    run_dir: Path, run_for_s: float | None, extra: list[str], fault: str = ""
+    run_dir: Path, kill_at: tuple[int, float] | None, extra: list[str], fault: str = ""
 ) -> bool:
-    """One launch, SIGKILLed after `run_for_s` (None: let it finish). Checks I4 around it: the
-    newest verified checkpoint does not go backwards, and a resume starts from it. Returns
-    whether the launch was killed."""
+    """One launch, SIGKILLed once it has recorded `kill_at = (new steps, then seconds)` (None:
+    let it finish, or die by the fault point `fault`). Checks I4 around it: the newest
+    verified checkpoint does not go backwards, and a resume starts from it. Returns whether the
+    launch was killed."""
     newest = latest_step(run_dir)
     seen = len(resumes(run_dir))
     proc = launch(run_dir, extra, fault)
-    deadline = time.monotonic() + (run_for_s if run_for_s is not None else 600)
-    while proc.poll() is None and time.monotonic() < deadline:
-        time.sleep(0.005)
+    if kill_at is None:
+        proc.wait(600)
+    else:
+        wait_for_state(proc, run_dir, *kill_at)
     killed = proc.poll() is None or proc.returncode == -signal.SIGKILL  # by us or a fault
     if proc.poll() is None:
         proc.send_signal(signal.SIGKILL)
@@ -114,17 +147,20 @@ def run_chaos(  # type: ignore[no-untyped-def]
     log=print,
     extra: list[str] | None = None,
     fault: str = "",
-    window_s: tuple[float, float] = (0.3, 5.0),
+    jitter_s: float = 0.3,
 ) -> dict:
-    """`trials` kills, each at a random moment in `window_s` after launch (or earlier, by the
-    `ASYNCRL_FAULT` point `fault`); raises `ChaosViolation` at the first broken invariant.
-    `extra` overrides and `fault` are for the negative control."""
+    """`trials` kills, each at a random state (see the module docstring) or earlier, at the
+    `ASYNCRL_FAULT` point `fault` (then no launch is killed by the clock: for the negative
+    control); raises `ChaosViolation` at the first broken invariant. Returns the counts of
+    kills, runs, and launches that resumed from a checkpoint (`resumed`)."""
     rng = random.Random(seed)
     extra = extra or []
     runs, kills = 0, 0
     while kills < trials:
         run_dir = root / f"run{runs}"
-        if launch_and_check(run_dir, rng.uniform(*window_s), extra, fault):
+        new_steps = rng.randint(*STEPS_PER_LAUNCH)
+        delay_s = rng.uniform(0.0, START_UP_S if new_steps == 0 else jitter_s)
+        if launch_and_check(run_dir, None if fault else (new_steps, delay_s), extra, fault):
             kills += 1
             if kills % 10 == 0:
                 log(f"chaos: {kills}/{trials} kills, {runs + 1} runs")
@@ -134,7 +170,10 @@ def run_chaos(  # type: ignore[no-untyped-def]
     run_dir = root / f"run{runs}"
     launch_and_check(run_dir, None, extra)
     check_run(run_dir)
-    return {"kills": kills, "runs": runs + 1}
+    resumed = sum(
+        1 for i in range(runs + 1) for e in resumes(root / f"run{i}") if e["from_step"] > 0
+    )
+    return {"kills": kills, "runs": runs + 1, "resumed": resumed}
 
 
 def main() -> None:
@@ -146,8 +185,8 @@ def main() -> None:
         "--set", action="append", default=[], metavar="KEY=VALUE", help="config override"
     )
     parser.add_argument(
-        "--window", type=float, nargs=2, default=(0.3, 5.0), metavar=("LO", "HI"),
-        help="kill each launch this many seconds after it starts (uniform)",
+        "--jitter", type=float, default=0.3, metavar="S",
+        help="kill up to this many seconds after the launch's random number of new steps",
     )  # fmt: skip
     args = parser.parse_args()
     import tempfile
@@ -155,15 +194,14 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         root = args.dir or Path(tmp)
         try:
-            result = run_chaos(
-                args.trials, root, args.seed, extra=args.set, window_s=tuple(args.window)
-            )
+            result = run_chaos(args.trials, root, args.seed, extra=args.set, jitter_s=args.jitter)
         except ChaosViolation as err:
             print(f"chaos: VIOLATION: {err}")
             sys.exit(1)
     print(
-        f"chaos: {result['kills']} kills over {result['runs']} runs at random wall-clock "
-        f"moments{' with ' + ' '.join(args.set) if args.set else ''}: I1, I3, I4 held in 100%"
+        f"chaos: {result['kills']} kills over {result['runs']} runs at random moments "
+        f"({result['resumed']} launches resumed from a checkpoint)"
+        f"{' with ' + ' '.join(args.set) if args.set else ''}: I1, I3, I4 held in 100%"
     )
 
 

@@ -72,3 +72,28 @@ def run_cli(*args: str, timeout: float = 300) -> subprocess.CompletedProcess[str
         timeout=timeout,
         env=env,
     )
+
+
+def process_gone(pid: int, timeout_s: float = 30) -> bool:
+    """Whether process `pid` has ended (or is a zombie) within `timeout_s`: a wait for a state,
+    bounded only so that a broken kill fails instead of hanging."""
+    import time
+
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            status = Path(f"/proc/{pid}/status").read_text()
+        except OSError:
+            return True
+        if "\nState:\tZ" in status:
+            return True
+        time.sleep(0.01)
+    return False
+
+
+def hung_reward_pids(folder: Path) -> list[int]:
+    """The processes in which `failing_rewards.sleeps_on_7` began a hung call (its marker files
+    in `ASYNCRL_TEST_FAIL_DIR`)."""
+    if not folder.exists():
+        return []
+    return [int(p.name.split("-")[1]) for p in folder.iterdir()]

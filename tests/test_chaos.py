@@ -1,4 +1,5 @@
-"""Twenty SIGKILLs at random wall-clock moments (benchmarks/chaos.py; `make chaos` runs 200)."""
+"""Twenty SIGKILLs at random moments placed by the run's state: after a random number of new
+steps and a random fraction of a second more (benchmarks/chaos.py; `make chaos` runs 200)."""
 
 import sys
 from pathlib import Path
@@ -17,11 +18,14 @@ def test_twenty_random_kills_keep_i1_i3_and_i4(tmp_path):
         trials=20, root=tmp_path, seed=7, log=lambda _: None, extra=["train.micro_batch_size=5"]
     )
     assert result["kills"] == 20
+    # the precondition: most kills hit a run that then resumed from a checkpoint (launches
+    # killed after 0-12 new steps with a checkpoint every 3), on a machine of any speed
+    assert result["resumed"] >= 10, result
     print(f"chaos: {result['kills']} kills over {result['runs']} runs: I1, I3, I4 held")
 
 
 def test_the_same_checker_catches_a_lossy_resume_policy(tmp_path):
-    # Kills right after a durable checkpoint (prompts in flight), resumed under
+    # Kills right after a checkpoint with prompts in flight became durable, resumed under
     # keep_incomplete: the in-flight prompts are skipped and the checker must say so.
     with pytest.raises(ChaosViolation, match="never trained"):
         run_chaos(
@@ -29,6 +33,5 @@ def test_the_same_checker_catches_a_lossy_resume_policy(tmp_path):
             root=tmp_path,
             log=lambda _: None,
             extra=["checkpoint.resume_policy=keep_incomplete", "run.max_num_steps=40"],
-            fault="checkpoint.parent_fsynced:2",
-            window_s=(60.0, 60.0),
+            fault="checkpoint.parent_fsynced[in_flight]",
         )

@@ -104,7 +104,7 @@ def test_random_sigkills_and_a_kill_mid_checkpoint_lose_nothing(tmp_path, repo_r
     run = tmp_path / "run"
     rng = random.Random(1234)
     # 1: killed by SIGKILL while writing the second checkpoint's first file
-    proc = launch(run, repo_root, *algo, fault="checkpoint.file_written:4")
+    proc = launch(run, repo_root, *algo, fault="checkpoint.file_written[step=6]")
     out, _ = proc.communicate(timeout=120)
     assert proc.returncode == -signal.SIGKILL, out
     assert list((run / "checkpoints").glob(".tmp-step_000006-*")), "died mid-write"
@@ -146,22 +146,18 @@ def inspect_json(run_dir: Path) -> dict:
 
 
 def test_the_same_crash_under_drop_incomplete_is_caught_by_the_audit(tmp_path, repo_root):
-    # killed right after a checkpoint became durable. Whether that cut has prompts in flight
-    # depends on timing (a collector waiting on a full window has none), so on a cut without
-    # any the kill moves to the next checkpoint
-    for n in (2, 3, 4, 5):
-        run = tmp_path / f"run-{n}"
-        proc = launch(run, repo_root, fault=f"checkpoint.parent_fsynced:{n}")
-        proc.communicate(timeout=120)
-        assert proc.returncode == -signal.SIGKILL
-        if inspect_json(run)["in_flight_ordinals"]:
-            break
-    else:
-        pytest.fail("none of 4 checkpoints had prompts in flight")
+    # killed right after the first checkpoint with prompts in flight became durable (a
+    # collector waiting on a full window has none: which checkpoint that is depends on timing)
+    run = tmp_path / "run"
+    proc = launch(run, repo_root, fault="checkpoint.parent_fsynced[in_flight]")
+    out, _ = proc.communicate(timeout=120)
+    assert proc.returncode == -signal.SIGKILL, f"no checkpoint had prompts in flight: {out}"
+    saved = inspect_json(run)
+    assert saved["in_flight_ordinals"], "the newest checkpoint is the one with prompts in flight"
     out = finish(run, repo_root, "checkpoint.resume_policy=drop_incomplete")
     (resume,) = [e for e in read_records(run / "events.jsonl") if e["event"] == "resume"]
     assert resume["skipped_ordinals"], "the checkpoint had prompts in flight"
-    assert f"resumed at step {3 * n}" in out
+    assert f"resumed at step {saved['step']}" in out
     done = audit(run)
     assert done.returncode == 1
     lost = sorted(resume["skipped_ordinals"] + resume["discarded_groups"])
@@ -202,14 +198,16 @@ def test_inspect_predicts_what_each_resume_policy_then_does(tmp_path, repo_root)
     import shutil
 
     base = tmp_path / "base"
-    proc = launch(
-        base, repo_root, "rollout.groups_per_batch=1", fault="checkpoint.parent_fsynced:2"
-    )
-    proc.communicate(timeout=120)
-    assert proc.returncode == -signal.SIGKILL
+    # killed right after the first checkpoint with prompts both in flight and buffered became
+    # durable: every policy then has something to keep, skip or discard
+    state = "checkpoint.parent_fsynced[in_flight,buffered]"
+    proc = launch(base, repo_root, "rollout.groups_per_batch=1", fault=state)
+    out, _ = proc.communicate(timeout=120)
+    assert proc.returncode == -signal.SIGKILL, f"no checkpoint was in {state}: {out}"
     info = inspect_json(base)
-    assert info["step"] == 6 and info["checkpoint"].endswith("step_000006")
-    assert info["ledger"]["trained"] == 6 * N
+    step = info["step"]
+    assert info["checkpoint"].endswith(f"step_{step:06d}") and info["ledger"]["in_flight"] > 0
+    assert info["ledger"]["trained"] == step * N
     table = subprocess.run(
         [sys.executable, "-m", "asyncrl.cli", "inspect", str(base)], capture_output=True, text=True
     )
@@ -220,7 +218,8 @@ def test_inspect_predicts_what_each_resume_policy_then_does(tmp_path, repo_root)
     for policy, cost in info["resume_cost"].items():
         run = tmp_path / policy
         shutil.copytree(base, run)
-        out = finish(run, repo_root, f"checkpoint.resume_policy={policy}", "run.max_num_steps=12")
+        policy_key = f"checkpoint.resume_policy={policy}"
+        out = finish(run, repo_root, policy_key, f"run.max_num_steps={step + 6}")
         # measured from what the resumed run did, not from its own account of it
         trained = {k for r in read_records(run / "metrics.jsonl") for k in r["prompt_ordinals"]}
         skipped = [k for k in info["in_flight_ordinals"] if k not in trained]
@@ -238,6 +237,7 @@ def test_inspect_predicts_what_each_resume_policy_then_does(tmp_path, repo_root)
         for line in cost["messages"]:
             assert line in out
     assert info["resume_cost"]["lossless"]["prompts_skipped"] == 0
+    assert info["resume_cost"]["keep_incomplete"]["prompts_skipped"] > 0  # the precondition
     assert info["resume_cost"]["lossless"]["groups_regenerated"] == info["ledger"]["in_flight"]
 
 

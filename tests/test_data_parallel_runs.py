@@ -41,54 +41,62 @@ STEPS = 12
 """Steps of the deterministic 2-rank runs."""
 
 
-def rank_processes() -> list[str]:
-    """PIDs of trainer ranks > 0 started by `asyncrl train` still alive on this machine."""
-    done = subprocess.run(
-        ["pgrep", "-f", "asyncrl.distributed.trainer_ranks"], capture_output=True, text=True
-    )
-    return done.stdout.split()
+def rank_processes(driver: int) -> list[int]:
+    """PIDs of the trainer ranks > 0 that the driver process `driver` (rank 0) started and that
+    are still alive. A rank's environment names its driver (`ASYNCRL_PARENT_PID`), so they are
+    found after the driver died too; no other process on the machine is ever counted."""
+    tag = f"ASYNCRL_PARENT_PID={driver}".encode()
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            environ = (entry / "environ").read_bytes()
+        except OSError:  # gone, or not ours to read
+            continue
+        if tag in environ.split(b"\0"):
+            found.append(int(entry.name))
+    return found
 
 
-def wait_for_no_rank_processes(timeout_s: float = 20) -> None:
+def wait_for_no_rank_processes(driver: int, timeout_s: float = 20) -> None:
     deadline = time.monotonic() + timeout_s
-    while rank_processes() and time.monotonic() < deadline:
+    while rank_processes(driver) and time.monotonic() < deadline:
         time.sleep(0.2)
-    assert not rank_processes(), "a trainer rank outlived its run"
+    assert not rank_processes(driver), "a trainer rank outlived its run"
 
 
 def test_two_ranks_killed_anywhere_resume_without_losing_or_redoing_anything(tmp_path, repo_root):
     run, rng, n = tmp_path / "run", random.Random(7), 4
     # the other rank dies while writing its files of the second checkpoint (step 6)
-    proc = crash_launch(run, repo_root, TWO, fault="checkpoint.rank_file_written:3")
+    proc = crash_launch(run, repo_root, TWO, fault="checkpoint.rank_file_written[step=6]")
     out, _ = proc.communicate(timeout=300)
     assert proc.returncode == 1, out
     assert "trainer rank 1" in out and "exited with -9" in out, out
     assert not (run / "checkpoints" / "step_000006").exists()  # no newer checkpoint than 3
-    wait_for_no_rank_processes()
-    # the other rank dies after its share of a step
-    proc = crash_launch(run, repo_root, TWO, fault="rank.step_done:5")
+    wait_for_no_rank_processes(proc.pid)
+    # the other rank dies after its share of step 5 (the launch resumed at step 3)
+    proc = crash_launch(run, repo_root, TWO, fault="rank.step_done[step=5]")
     out, _ = proc.communicate(timeout=300)
     assert proc.returncode == 1 and "trainer rank 1" in out, out
-    wait_for_no_rank_processes()
-    # the other rank is SIGKILLed at a random moment
+    wait_for_no_rank_processes(proc.pid)
+    # the other rank is SIGKILLed at a random moment, once the launch trains
     proc = crash_launch(run, repo_root, TWO)
-    deadline = time.monotonic() + 120
-    while not rank_processes() and time.monotonic() < deadline:
-        time.sleep(0.05)
     steps_before = len(read_complete_records(run / "metrics.jsonl"))
     while len(read_complete_records(run / "metrics.jsonl")) < steps_before + rng.randint(2, 6):
         assert proc.poll() is None
         time.sleep(0.01)
-    for pid in rank_processes():
-        os.kill(int(pid), signal.SIGKILL)
+    (rank,) = rank_processes(proc.pid)
+    os.kill(rank, signal.SIGKILL)
     out, _ = proc.communicate(timeout=120)
     assert proc.returncode == 1 and "trainer rank 1" in out, out
-    wait_for_no_rank_processes()
+    wait_for_no_rank_processes(proc.pid)
     # the driver (rank 0) is SIGKILLed at random moments: its other rank follows it
     kills = 0
     for _ in range(2):
-        kills += kill_after_steps(crash_launch(run, repo_root, TWO), run, rng.randint(2, 8))
-        wait_for_no_rank_processes()
+        proc = crash_launch(run, repo_root, TWO)
+        kills += kill_after_steps(proc, run, rng.randint(2, 8))
+        wait_for_no_rank_processes(proc.pid)
     assert kills == 2
     proc = crash_launch(run, repo_root, TWO)
     out, _ = proc.communicate(timeout=600)
@@ -146,7 +154,7 @@ def test_resharding_2_to_1_to_3_continues_the_same_schedule_from_the_same_state(
     done = run_cli("export", str(run), "--checkpoint", "step_000003", str(exported))
     assert done.returncode == 0, done.stderr
     # a relaunch at its own step trains nothing: it ends with the weights it restored
-    for ranks in (3,):  # (to 1 rank: the whole tensors, as export reads them)
+    for ranks in (1, 3):
         copy = tmp_path / f"restored-{ranks}"
         shutil.copytree(run, copy)
         short_run(copy, repo_root, 3, f"train.num_processes={ranks}", "--force-config")
@@ -193,16 +201,17 @@ def kill_by(run: Path, repo_root: Path, fault: str) -> None:
     proc = det_launch(run, repo_root, fault=fault, extra=extra)
     out, _ = proc.communicate(timeout=300)
     assert proc.returncode in (-signal.SIGKILL, 1), out  # the driver killed, or it saw a rank die
-    wait_for_no_rank_processes()
+    wait_for_no_rank_processes(proc.pid)
 
 
 def test_two_ranks_killed_and_resumed_are_bitwise_the_uninterrupted_two_rank_run(
     tmp_path, repo_root, two_rank_reference
 ):
     run = tmp_path / "run"
-    kill_by(run, repo_root, "checkpoint.rank_file_written:4")  # the other rank, mid-checkpoint
-    kill_by(run, repo_root, "train.weights_published:3")  # the driver, after a step
-    kill_by(run, repo_root, "rank.step_done:2")  # the other rank, after its share of a step
+    # the other rank, writing its second file of step 6's checkpoint
+    kill_by(run, repo_root, "checkpoint.rank_file_written[step=6]:2")
+    kill_by(run, repo_root, "train.weights_published[step=5]")  # the driver, after step 5
+    kill_by(run, repo_root, "rank.step_done[step=7]")  # the other rank, after its share of 7
     short_run(run, repo_root, STEPS, TWO)
     assert {r["attempt"] for r in read_records(run / "metrics.jsonl")} == {0, 1, 2, 3}
     assert fingerprint(run) == two_rank_reference
@@ -212,7 +221,7 @@ def test_a_two_rank_resume_that_skips_the_optimizer_is_caught(
     tmp_path, repo_root, two_rank_reference
 ):
     run = tmp_path / "run"
-    kill_by(run, repo_root, "train.weights_published:5")
+    kill_by(run, repo_root, "train.weights_published[step=4]")
     short_run(run, repo_root, STEPS, TWO, skip="optimizer")
     assert fingerprint(run) != two_rank_reference
 
@@ -266,7 +275,7 @@ def test_a_two_rank_run_learns_the_demo_task_listening_on_loopback_only(tmp_path
     while len(read_complete_records(run / "metrics.jsonl")) < 5:
         assert proc.poll() is None, proc.communicate()[0]
         time.sleep(0.1)
-    pids = [proc.pid, *(int(p) for p in rank_processes())]
+    pids = [proc.pid, *rank_processes(proc.pid)]
     assert len(pids) == 2
     sockets = listening_sockets(pids)
     assert sockets and all(address.startswith(LOOPBACK) for address, _ in sockets), sockets
@@ -319,7 +328,7 @@ def test_a_process_can_launch_two_ranked_runs_one_after_the_other(tmp_path):
     train(small_config(TWO, "run.max_num_steps=3", "eval.every_steps=3"), tmp_path / "run")
     records = read_records(tmp_path / "run" / "metrics.jsonl")
     assert [r["step"] for r in records] == [0, 1, 2]
-    wait_for_no_rank_processes()
+    wait_for_no_rank_processes(os.getpid())  # this process was rank 0
     # the run evaluated the full weights it published: `asyncrl eval` of its final checkpoint
     # (whole tensors from both ranks' files) gives the same numbers
     from asyncrl.train.evaluation import evaluate_checkpoint

@@ -62,6 +62,10 @@ def launch(
     )
 
 
+PARTIALS = "checkpoint.parent_fsynced[partial_tokens]"
+"""A durable checkpoint whose cut holds partial samples (`asyncrl.faults`)."""
+
+
 def run_to_kill(run_dir: Path, repo_root: Path, fault: str, extra: tuple[str, ...] = ()) -> None:
     proc = launch(run_dir, repo_root, fault=fault, extra=extra)
     out, _ = proc.communicate(timeout=120)
@@ -76,12 +80,6 @@ def finish(run_dir: Path, repo_root: Path, skip: str = "", extra: tuple[str, ...
         proc.kill()
         proc.communicate()
     return proc.returncode
-
-
-def resume_step(run_dir: Path) -> int:
-    """The step the next launch resumes at: the newest checkpoint with a manifest."""
-    steps = [int(p.parent.name[5:]) for p in (run_dir / "checkpoints").glob("step_*/manifest.json")]
-    return max(steps, default=0)
 
 
 def fingerprint(run_dir: Path) -> tuple[list[tuple], str]:
@@ -137,11 +135,11 @@ def test_three_kills_mid_checkpoint_at_an_epoch_boundary_and_on_the_last_step(
     tmp_path, repo_root, reference
 ):
     run = tmp_path / "run"
-    run_to_kill(run, repo_root, "checkpoint.file_written:4")  # writing step 6's checkpoint
+    run_to_kill(run, repo_root, "checkpoint.file_written[step=6]")  # writing step 6's
     # step 10 trains ordinals 40-43, the first of epoch 2: killed right after its update
-    run_to_kill(run, repo_root, f"train.weights_published:{10 - resume_step(run) + 1}")
+    run_to_kill(run, repo_root, "train.weights_published[step=10]")
     # the last step: killed after its optimizer step, before its record and final checkpoint
-    run_to_kill(run, repo_root, f"train.optimizer_step:{STEPS - 1 - resume_step(run) + 1}")
+    run_to_kill(run, repo_root, f"train.optimizer_step[step={STEPS - 1}]")
     assert finish(run, repo_root) == 0
     attempts = {r["attempt"] for r in read_records(run / "metrics.jsonl")}
     assert attempts == {0, 1, 2, 3}
@@ -153,7 +151,7 @@ def test_a_resume_that_skips_restoring_one_piece_of_state_is_caught(
     tmp_path, repo_root, reference, piece
 ):
     run = tmp_path / "run"
-    run_to_kill(run, repo_root, "checkpoint.parent_fsynced:2")  # durable checkpoint of step 6
+    run_to_kill(run, repo_root, "checkpoint.parent_fsynced[step=6]")
     code = finish(run, repo_root, skip=piece)
     # either the run refuses to go on (cursor, buffer: the ledger and buffer disagree) or it
     # finishes with different numbers (optimizer)
@@ -165,7 +163,7 @@ def test_the_global_rngs_are_not_part_of_what_a_resume_must_restore(tmp_path, re
     # torch's global generators (sampling noise comes from (seed, ordinal)), so a resume that
     # skips restoring them is still bitwise the reference. They are saved anyway.
     run = tmp_path / "run"
-    run_to_kill(run, repo_root, "checkpoint.parent_fsynced:2")
+    run_to_kill(run, repo_root, "checkpoint.parent_fsynced[step=6]")
     assert finish(run, repo_root, skip="rng") == 0
     assert fingerprint(run) == reference
 
@@ -174,8 +172,8 @@ def test_ppo_killed_mid_checkpoint_and_mid_epoch_is_bitwise_the_uninterrupted_ru
     tmp_path, repo_root, ppo_reference
 ):
     run, extra = tmp_path / "run", tuple(PPO)
-    run_to_kill(run, repo_root, "checkpoint.file_written:4", extra)  # writing step 6's
-    run_to_kill(run, repo_root, f"train.weights_published:{10 - resume_step(run) + 1}", extra)
+    run_to_kill(run, repo_root, "checkpoint.file_written[step=6]", extra)
+    run_to_kill(run, repo_root, "train.weights_published[step=10]", extra)
     assert finish(run, repo_root, extra=extra) == 0
     assert {r["attempt"] for r in read_records(run / "metrics.jsonl")} == {0, 1, 2}
     assert fingerprint(run) == ppo_reference
@@ -183,7 +181,7 @@ def test_ppo_killed_mid_checkpoint_and_mid_epoch_is_bitwise_the_uninterrupted_ru
 
 def test_a_ppo_resume_that_skips_restoring_the_critic_is_caught(tmp_path, repo_root, ppo_reference):
     run, extra = tmp_path / "run", tuple(PPO)
-    run_to_kill(run, repo_root, "checkpoint.parent_fsynced:2", extra)  # durable step 6
+    run_to_kill(run, repo_root, "checkpoint.parent_fsynced[step=6]", extra)
     code = finish(run, repo_root, skip="critic", extra=extra)
     assert code == 0 and fingerprint(run) != ppo_reference
 
@@ -202,8 +200,8 @@ def test_a_cosine_schedule_killed_mid_warmup_and_mid_decay_resumes_the_same_lrs(
     tmp_path, repo_root, cosine_reference
 ):
     run = tmp_path / "run"
-    run_to_kill(run, repo_root, "checkpoint.parent_fsynced:2", COSINE)  # durable step 6
-    run_to_kill(run, repo_root, f"train.weights_published:{13 - resume_step(run) + 1}", COSINE)
+    run_to_kill(run, repo_root, "checkpoint.parent_fsynced[step=6]", COSINE)
+    run_to_kill(run, repo_root, "train.weights_published[step=13]", COSINE)
     assert finish(run, repo_root, extra=COSINE) == 0
     assert {r["attempt"] for r in read_records(run / "metrics.jsonl")} == {0, 1, 2}
     lrs = [step[-1] for step in cosine_reference[0]]
@@ -216,7 +214,7 @@ def test_a_resume_that_skips_restoring_the_lr_schedule_is_caught(
     tmp_path, repo_root, cosine_reference
 ):
     run = tmp_path / "run"
-    run_to_kill(run, repo_root, "checkpoint.parent_fsynced:2", COSINE)  # durable step 6
+    run_to_kill(run, repo_root, "checkpoint.parent_fsynced[step=6]", COSINE)
     assert finish(run, repo_root, skip="algorithm.lr_scheduler", extra=COSINE) == 0
     steps, _ = fingerprint(run)
     # the schedule starts over at step 6: warm-up again, where the reference was at its peak
@@ -236,8 +234,8 @@ def test_on_ray_a_killed_driver_resumes_bitwise_the_uninterrupted_run(
     tmp_path, repo_root, ray_reference
 ):
     run = tmp_path / "run"
-    run_to_kill(run, repo_root, "checkpoint.file_written:4", RAY)  # writing step 6's
-    run_to_kill(run, repo_root, f"train.weights_published:{10 - resume_step(run) + 1}", RAY)
+    run_to_kill(run, repo_root, "checkpoint.file_written[step=6]", RAY)
+    run_to_kill(run, repo_root, "train.weights_published[step=10]", RAY)
     assert finish(run, repo_root, extra=RAY) == 0
     assert {r["attempt"] for r in read_records(run / "metrics.jsonl")} == {0, 1, 2}
     assert fingerprint(run) == ray_reference
@@ -261,8 +259,9 @@ def test_killed_mid_chunk_and_resumed_from_partial_samples_is_bitwise_the_uninte
     tmp_path, repo_root, chunked, chunked_reference
 ):
     run = tmp_path / "run"
-    run_to_kill(run, repo_root, "engine.decode_step:500", chunked)
-    run_to_kill(run, repo_root, "engine.decode_step:700", chunked)
+    # each a few decode steps after a checkpoint holding partial samples became durable
+    run_to_kill(run, repo_root, f"{PARTIALS}>engine.decode_step:2", chunked)
+    run_to_kill(run, repo_root, f"{PARTIALS}>engine.decode_step:5", chunked)
     assert finish(run, repo_root, extra=chunked) == 0
     resumes = [e for e in read_records(run / "events.jsonl") if e["event"] == "resume"]
     assert len(resumes) == 2

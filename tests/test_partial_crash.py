@@ -1,5 +1,7 @@
 """Partial generations under SIGKILL: long completions generated in chunks, the trainer killed
-mid-chunk several times and resumed to the end. The oracle is the checkpoint itself, read
+mid-chunk several times — each kill a few decode steps after a checkpoint holding partial
+samples became durable, so every kill has partial work to keep on any machine — and resumed
+to the end. The oracle is the checkpoint itself, read
 before each resume: no token it held is generated again (checked against the timeline's
 per-sample token spans), and `asyncrl audit` passes. The negative control resumes without
 restoring the partials and must show regenerated tokens."""
@@ -44,16 +46,32 @@ def regenerated(run: Path, attempt: int, saved: dict) -> list[str]:
     return found
 
 
-def crash_and_finish(run: Path, extra: list[str], points: tuple[int, ...], skip: str = "") -> list:
-    """Kills the run mid-chunk once per decode step count in `points`, resuming each time,
-    then runs it to the end; returns, per resumed attempt, what its checkpoint held."""
+PARTIALS = "checkpoint.parent_fsynced[partial_tokens]"
+"""The state these kills need: a durable checkpoint whose cut holds partial samples."""
+MIXED = "checkpoint.parent_fsynced[partial_tokens,finished_in_flight]"
+"""... and finished samples of groups still in flight (kept, never generated again)."""
+
+
+def kill_in(run: Path, extra: list[str], state: str, decode_steps: int, skip: str = "") -> dict:
+    """One launch killed mid-chunk, `decode_steps` decode steps after a checkpoint in `state`
+    became durable (`asyncrl.faults`); returns what the newest checkpoint then holds (an
+    `inspect` of it), checked to be in that state."""
+    code = train(run, *extra, fault=f"{state}>engine.decode_step:{decode_steps}", skip=skip)
+    assert code == -9, f"never killed (exit {code}): no checkpoint of this launch was in {state}"
+    info = inspect_run_dir(run)
+    assert info["checkpoint"] is not None and sum(info["partial_tokens"].values()) > 0, (
+        f"the newest checkpoint is not the one in {state}: {info['checkpoint']}"
+    )
+    return info
+
+
+def crash_and_finish(run: Path, extra: list[str], states: tuple[str, ...], skip: str = "") -> list:
+    """Kills the run mid-chunk once per state in `states` (a few decode steps after a
+    checkpoint in that state became durable), resuming each time, then runs it to the end;
+    returns, per resumed attempt, what its checkpoint held."""
     resumed = []
-    for attempt, point in enumerate(points):
-        code = train(run, *extra, fault=f"engine.decode_step:{point}", skip=skip)
-        assert code == -9, f"attempt {attempt}: the kill at decode step {point} never fired"
-        info = inspect_run_dir(run)
-        assert info["checkpoint"] is not None, f"attempt {attempt}: killed before a checkpoint"
-        resumed.append((attempt + 1, info))
+    for attempt, state in enumerate(states):
+        resumed.append((attempt + 1, kill_in(run, extra, state, 1 + 3 * attempt, skip)))
     assert train(run, *extra, skip=skip) == 0
     return resumed
 
@@ -68,11 +86,11 @@ def test_killed_mid_chunk_three_times_no_checkpointed_token_is_generated_again(
     tmp_path, long_shape
 ):
     run = tmp_path / "run"
-    resumed = crash_and_finish(run, long_shape, (450, 400, 350))
-    # the kills landed where there was partial work to keep: unfinished samples with tokens,
-    # and finished samples of groups still in flight
-    samples = [s for _, info in resumed for s in info["partial_samples"].values()]
-    assert sum(sum(s["lengths"]) for s in samples) > 0
+    resumed = crash_and_finish(run, long_shape, (MIXED, PARTIALS, PARTIALS))
+    # the first kill's checkpoint held both kinds of partial work to keep: unfinished samples
+    # with tokens, and finished samples of groups still in flight (the fault spec's state,
+    # read back off the checkpoint files)
+    samples = resumed[0][1]["partial_samples"].values()
     assert any(any(s["finished"]) and not all(s["finished"]) for s in samples)
     for attempt, info in resumed:
         assert regenerated(run, attempt, info) == [], f"attempt {attempt}"
@@ -90,7 +108,7 @@ def test_negative_control_a_resume_that_drops_the_partials_regenerates_saved_tok
     tmp_path, long_shape
 ):
     run = tmp_path / "run"
-    resumed = crash_and_finish(run, long_shape, (450,), skip="ledger.partial")
+    resumed = crash_and_finish(run, long_shape, (PARTIALS,), skip="ledger.partial")
     found = [line for attempt, info in resumed for line in regenerated(run, attempt, info)]
     assert found, "the oracle saw nothing regenerated although no partial was restored"
 
@@ -109,9 +127,7 @@ def test_a_checkpoint_with_partials_resumes_with_how_it_generates_changed(
     # both may change on resume; the saved partials may then hold a weights version that is no
     # longer kept: they are finished on the newest, each token keeping its own version
     run, short = tmp_path / "run", [*long_shape, "run.max_num_steps=8"]
-    assert train(run, *short, *before, fault="engine.decode_step:450") == -9
-    saved = inspect_run_dir(run)
-    assert sum(saved["partial_tokens"].values()) > 0
+    saved = kill_in(run, [*short, *before], PARTIALS, decode_steps=2)
     assert train(run, *short, *after) == 0
     assert regenerated(run, 1, saved) == []
     assert audit_run_dir(run).ok

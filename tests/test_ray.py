@@ -20,6 +20,7 @@ from helpers import read_complete_records, read_records, small_config
 from asyncrl.audit import audit_run_dir
 from asyncrl.distributed.cluster import NAMESPACE
 from asyncrl.distributed.worker import worker_name
+from asyncrl.inspect_run import inspect_run_dir
 from asyncrl.rollout.collector import GenerationFailed
 from asyncrl.train.trainer import train
 
@@ -156,20 +157,17 @@ def test_a_sigkilled_driver_resumes_on_ray_and_loses_nothing(tmp_path, repo_root
         "logging.plot=false",
     ]  # fmt: skip
     env = {**os.environ, "PYTHONWARNINGS": "ignore"}
-    proc = subprocess.Popen(args, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-    metrics = run / "metrics.jsonl"
-    deadline = time.monotonic() + 300  # Ray's start is slow on a loaded machine
-    while time.monotonic() < deadline and proc.poll() is None:
-        if len(read_complete_records(metrics)) >= 8:
-            break
-        time.sleep(0.01)
-    assert len(read_complete_records(metrics)) >= 8, "killed before the step-3 checkpoint"
-    proc.send_signal(signal.SIGKILL)
-    proc.wait(30)
-    assert proc.returncode == -signal.SIGKILL
+    # killed two steps after the checkpoint of step 6 became durable (fault injection)
+    fault = "checkpoint.parent_fsynced[step=6]>train.weights_published:2"
+    killed = subprocess.run(
+        args, env={**env, "ASYNCRL_FAULT": fault}, capture_output=True, text=True, timeout=300
+    )
+    assert killed.returncode == -signal.SIGKILL, killed.stdout + killed.stderr
+    newest = inspect_run_dir(run)["step"]
+    assert newest >= 6
     done = subprocess.run(args, env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stdout + done.stderr
-    assert "resumed at step" in done.stdout
+    assert f"resumed at step {newest}" in done.stdout
     assert_schedule_and_exactly_once(run, 20)
     (resume,) = [e for e in read_records(run / "events.jsonl") if e["event"] == "resume"]
     landed_after = {}

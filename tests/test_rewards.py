@@ -4,9 +4,8 @@ with its timeout."""
 
 from __future__ import annotations
 
-import time
-
 import pytest
+from helpers import hung_reward_pids, process_gone
 
 from asyncrl.rollout.reward_pool import RewardJob, RewardPool
 from asyncrl.tasks.reward_calls import GroupScores, RewardFailure, score_group
@@ -87,12 +86,13 @@ def test_pool_in_worker_processes_matches_the_calling_thread():
 def test_a_call_past_the_timeout_is_stopped_and_reported_and_the_pool_goes_on(
     tmp_path, monkeypatch
 ):
-    monkeypatch.delenv("ASYNCRL_TEST_FAIL_TIMES", raising=False)  # sleeps every time on "7"
+    monkeypatch.setenv("ASYNCRL_TEST_FAIL_DIR", str(tmp_path / "failures"))
+    monkeypatch.setenv("ASYNCRL_TEST_FAIL_TIMES", "1000")  # sleeps 120 s on answer 7
     pool = RewardPool("failing_rewards:sleeps_on_7", {}, workers=2, timeout_s=1.5)
     try:
-        start = time.perf_counter()
         slow, fast = pool.score([RewardJob(["x"], "7"), RewardJob(["3"], "3")])
-        assert time.perf_counter() - start < 30  # not the 120 s the call would sleep
+        (hung,) = hung_reward_pids(tmp_path / "failures")
+        assert process_gone(hung), "the call past its timeout was waited out, not stopped"
         assert isinstance(slow, RewardFailure) and "reward_timeout_s=1.5" in str(slow)
         assert fast == GroupScores([1.0], {})
         assert pool.score([RewardJob(["3"], "3")]) == [GroupScores([1.0], {})]  # replaced

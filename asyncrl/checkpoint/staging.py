@@ -169,6 +169,9 @@ class Cut:
     num_shards: int = 1
     """The trainer's ranks: > 1 makes a sharded checkpoint (format 3) whose other ranks write
     their files into `begun` (`asyncrl.checkpoint.shards`)."""
+    facts: dict[str, int] = field(default_factory=dict)
+    """What the cut holds, in numbers (`asyncrl.faults.CUT_FACTS`): stated to the fault points of
+    its write, and recorded in its `checkpoint` event."""
     begun: Path | None = None
     written: Callable[[], dict[str, dict[str, Any]]] | None = None
     """With ranks: waits for the other ranks' files and returns their manifest entries. Called

@@ -23,6 +23,7 @@ from typing import Any
 
 from asyncrl.checkpoint.staging import Cut
 from asyncrl.checkpoint.store import FORMAT_VERSION, SHARDED_FORMAT_VERSION, CheckpointStore
+from asyncrl.faults import fault_facts
 
 
 class CheckpointWriter:
@@ -62,6 +63,10 @@ class CheckpointWriter:
             raise error
 
     def _write(self, step: int, cut: Cut, info: dict[str, Any]) -> None:
+        with fault_facts(step=step, **cut.facts):
+            self._write_facts_stated(step, cut, info)
+
+    def _write_facts_stated(self, step: int, cut: Cut, info: dict[str, Any]) -> None:
         try:
             start = time.perf_counter()
             saved = self.store.save(

@@ -50,7 +50,7 @@ from asyncrl.checkpoint.staging import Cut, StagingArea
 from asyncrl.checkpoint.store import CheckpointError, Verified
 from asyncrl.config import Config, ConfigError
 from asyncrl.distributed.ranks import LOCAL_RENDEZVOUS, TorchRanks, init_ranks
-from asyncrl.faults import fault_point
+from asyncrl.faults import fault_facts, fault_point
 from asyncrl.models.device import resolve_device
 
 
@@ -255,10 +255,10 @@ def serve(device: torch.device) -> int:
                 algo.step(command["groups"], command["step"])
             except NonFiniteLoss:
                 continue  # every rank refused the step (the norm is global): rank 0 stops
-            fault_point("rank.step_done")
+            fault_point("rank.step_done", step=command["step"])
             algo.policy_weights()  # rank 0 publishes the new version
         elif kind == "checkpoint":
-            writer.submit(Path(command["dir"]), parts)
+            writer.submit(Path(command["dir"]), parts, command["step"])
         elif kind == "restore":
             restore_rank(command, parts)
             algo.policy_weights()  # rank 0 publishes the restored version
@@ -277,20 +277,21 @@ class RankWriter:
         self.staging = StagingArea()
         self._thread: threading.Thread | None = None
 
-    def submit(self, begun: Path, parts: dict[str, Stateful]) -> None:
+    def submit(self, begun: Path, parts: dict[str, Stateful], step: int) -> None:
         self.wait()  # the previous write (its staging buffers) is done
         states = {name: part.state_dict() for name, part in parts.items()}
         cut = self.staging.stage(states, {}, background=tuple(parts))
         self._thread = threading.Thread(
-            target=self._write, args=(begun, cut), name="asyncrl-rank-ckpt", daemon=True
+            target=self._write, args=(begun, cut, step), name="asyncrl-rank-ckpt", daemon=True
         )
         self._thread.start()
 
-    def _write(self, begun: Path, cut: Cut) -> None:
+    def _write(self, begun: Path, cut: Cut, step: int) -> None:
         answer: dict[str, Any]
         try:
             cut.wait_staged()
-            answer = write_rank_files(begun, cut.trees, cut.tensors, self.ranks.rank)
+            with fault_facts(step=step):
+                answer = write_rank_files(begun, cut.trees, cut.tensors, self.ranks.rank)
         except BaseException as err:  # reported to rank 0, whose save then fails
             answer = {"__error__": f"{type(err).__name__}: {err}"}
         finally:

@@ -43,7 +43,7 @@ from asyncrl.config_keys import benign_differences, config_hash
 from asyncrl.core.buffer import tokens_per_group
 from asyncrl.core.resume import ResumePlan, plan_resume
 from asyncrl.distributed.trainer_ranks import RankFailed, RankGroup, launch, restore_templates
-from asyncrl.faults import fault_point
+from asyncrl.faults import cut_facts, fault_point
 from asyncrl.rollout.collector import Chunk, GenerationFailed
 from asyncrl.train.components import build_components
 from asyncrl.train.evaluation import eval_line
@@ -153,6 +153,7 @@ class Trainer:
             start = time.perf_counter()
             states = {name: part.state_dict() for name, part in parts.items()}
             cut = self.staging.stage(states, self.config.to_dict(), STAGED_IN_BACKGROUND)
+            cut.facts = cut_facts(states)
             pause_s = time.perf_counter() - start
         return cut, pause_s
 
@@ -327,7 +328,7 @@ class Trainer:
         if self.group is not None:
             self.group.command("step", step=step, groups=groups)
         algo_metrics = self.parts.algo.step(groups, step)
-        fault_point("train.optimizer_step")
+        fault_point("train.optimizer_step", step=step)
         trained = time.perf_counter()
         self.logs.timeline.write(
             {
@@ -339,7 +340,7 @@ class Trainer:
             }
         )
         self._publish_weights(step + 1)
-        fault_point("train.weights_published")
+        fault_point("train.weights_published", step=step)
         record = step_record(step, self.attempt, groups, algo_metrics)
         evaluated = self._evaluate(step + 1)
         record.update(
@@ -390,8 +391,7 @@ class Trainer:
             "blocked_s": time.perf_counter() - start,
             "previous_write_wait_s": capture_start - start,
             "pause_s": pause_s,
-            "in_flight": len(cut.trees["ledger"]["in_flight"]),
-            "buffered": len(cut.trees["buffer"]["groups"]),
+            **cut.facts,
         }
         self.writer.submit(self.step, cut, info)
         self.last_saved_step = self.step
