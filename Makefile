@@ -8,7 +8,7 @@ RUN_DIR ?= runs/demo-$(NOW)
 # a demo's run dir: RUN_DIR when given (command line or environment), else runs/NAME-TIME
 demo_dir = $(if $(filter command line environment,$(origin RUN_DIR)),$(RUN_DIR),runs/$(1)-$(NOW))
 
-.PHONY: setup demo math-demo ppo-demo rloo-demo test lint bench bench-algos bench-ray bench-scale bench-reward bench-engines chaos docs clean
+.PHONY: setup demo math-demo ppo-demo rloo-demo test test-fast lint bench bench-algos bench-ray bench-scale bench-reward bench-engines chaos docs clean
 
 setup: $(STAMP)
 
@@ -45,6 +45,11 @@ rloo-demo: setup
 
 test: lint
 	$(BIN)/pytest -q
+
+# the inner loop (< 5 min): lint, the tests that start no process and take <= 5 s each (a test
+# past that fails, naming itself), and one real SIGKILL-resume-audit (marked smoke)
+test-fast: lint
+	$(BIN)/pytest -q --fast-tier -m "not slow or smoke"
 
 bench: setup
 	$(BIN)/python benchmarks/overlap.py

@@ -2,8 +2,8 @@
 
 A real `asyncrl train` process on the long-generation shape (completions of up to 128 tokens
 generated 16 at a time, a step's 4 groups per batch, A=1; `benchmarks/long_generation.py`) is
-SIGKILLed (fault injection) right after its second checkpoint became durable, with groups in
-flight holding partial samples and targets half-buffered, as in the seed's scenario. The run
+SIGKILLed (fault injection) right after the first checkpoint whose cut has groups in flight
+holding partial samples became durable (targets half-buffered, as in the seed's scenario). The run
 dir is copied once per policy and each copy is resumed. From each resumed run's own records
 it prints
 
@@ -110,8 +110,9 @@ def tokens_regenerated(
 def crash_and_resume(tmp: Path) -> None:
     crash_shape = shape(write_task(tmp / "long.jsonl"))
     base = tmp / "crashed"
-    print("crashing a run right after its checkpoint of step 4 ...", file=sys.stderr)
-    code = train(base, *crash_shape, "run.max_num_steps=100", fault="checkpoint.parent_fsynced:2")
+    print("crashing a run right after a checkpoint with partials in flight ...", file=sys.stderr)
+    state = "checkpoint.parent_fsynced[in_flight,partial_tokens]"
+    code = train(base, *crash_shape, "run.max_num_steps=100", fault=state)
     assert code == -9, f"expected a SIGKILL, got exit {code}"
     info = inspect_run_dir(base)
     n, started = info["num_prompts_per_step"], {int(t) for t in info["targets"]}

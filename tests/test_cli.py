@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 
+import pytest
 from helpers import SMALL, read_records, run_cli
 
 from asyncrl.cli import build_parser, parse_args
@@ -87,6 +88,7 @@ def test_overrides_may_stand_before_or_after_run_dir():
     assert before.overrides == ["algo.lr=0.1", "run.seed=2"]
 
 
+@pytest.mark.slow
 def test_train_from_the_command_line_writes_the_contract_files(tmp_path, repo_root):
     run = tmp_path / "run"
     done = run_cli(
@@ -105,6 +107,7 @@ def test_train_from_the_command_line_writes_the_contract_files(tmp_path, repo_ro
     assert matplotlib.image.imread(run / "reward_curve.png").shape[:2] == (374, 990)
 
 
+@pytest.mark.slow
 def test_bad_input_exits_2_with_a_message_naming_the_key(tmp_path, repo_root):
     demo = str(repo_root / "configs" / "demo.yaml")
     done = run_cli("train", demo, "--run-dir", str(tmp_path / "r"), "rollout.num_prompt_per_step=3")
@@ -114,6 +117,7 @@ def test_bad_input_exits_2_with_a_message_naming_the_key(tmp_path, repo_root):
     assert not (tmp_path / "r").exists()
 
 
+@pytest.mark.slow
 def test_a_run_dir_with_foreign_run_files_is_refused(tmp_path, repo_root):
     run = tmp_path / "run"
     run.mkdir()
@@ -124,6 +128,7 @@ def test_a_run_dir_with_foreign_run_files_is_refused(tmp_path, repo_root):
     assert (run / "metrics.jsonl").read_text() == '{"step": 0}\n'
 
 
+@pytest.mark.slow
 def test_a_checkpoint_from_a_newer_asyncrl_is_refused_with_exit_2_and_nothing_trained(
     tmp_path, repo_root
 ):
@@ -154,6 +159,7 @@ def test_a_checkpoint_from_a_newer_asyncrl_is_refused_with_exit_2_and_nothing_tr
     assert "Traceback" not in shown.stderr
 
 
+@pytest.mark.slow
 def test_a_run_dir_that_cannot_be_created_exits_2_naming_it(tmp_path, repo_root):
     (tmp_path / "a-file").write_text("")
     demo = str(repo_root / "configs" / "demo.yaml")

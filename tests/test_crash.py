@@ -271,7 +271,14 @@ def newest_verified_step(run_dir: Path) -> int | None:
     return None
 
 
-@pytest.mark.parametrize("point", POINTS)
+SMOKE = "checkpoint.parent_fsynced"
+"""The one kill-resume-audit of `make test-fast` (marked smoke): a kill right after a checkpoint
+became durable, the rerun resumed from it, audited."""
+
+
+@pytest.mark.parametrize(
+    "point", [pytest.param(p, marks=[pytest.mark.smoke] if p == SMOKE else []) for p in POINTS]
+)
 def test_a_kill_at_every_crash_point_loses_nothing(tmp_path, repo_root, point):
     run = tmp_path / "run"
     short = ["run.max_num_steps=10", "checkpoint.save_period=2", "rollout.groups_per_batch=2"]

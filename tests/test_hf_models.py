@@ -149,7 +149,7 @@ def test_the_cli_trains_a_qwen2_dir_and_a_sigkilled_run_resumes(
     ]  # fmt: skip
     tests_dir = str(repo_root / "tests")  # the reward's module, for the child process
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join([tests_dir, os.environ.get("PYTHONPATH", "")]))
-    monkeypatch.setenv("ASYNCRL_FAULT", "checkpoint.parent_fsynced:1")
+    monkeypatch.setenv("ASYNCRL_FAULT", "checkpoint.parent_fsynced[step=2]")
     killed = run_cli(*args)
     assert killed.returncode == -9, killed.stderr
     monkeypatch.delenv("ASYNCRL_FAULT")

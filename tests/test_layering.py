@@ -6,6 +6,8 @@ from __future__ import annotations
 import subprocess
 import sys
 
+import pytest
+
 CORE_AND_THREADS = [
     "asyncrl.core.buffer", "asyncrl.core.ledger", "asyncrl.core.stream", "asyncrl.core.window",
     "asyncrl.core.advantages", "asyncrl.core.losses", "asyncrl.core.resume",
@@ -23,12 +25,14 @@ def run_without_ray(code: str) -> subprocess.CompletedProcess[str]:
     )
 
 
+@pytest.mark.slow
 def test_the_core_and_the_threads_backend_import_without_ray():
     imports = "\n".join(f"import {name}" for name in CORE_AND_THREADS)
     done = run_without_ray(imports + "\nprint('ok')")
     assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr
 
 
+@pytest.mark.slow
 def test_the_check_itself_catches_a_ray_import():  # negative control
     done = run_without_ray("import asyncrl.distributed.worker")
     assert done.returncode != 0 and "ray" in done.stderr

@@ -4,6 +4,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 from asyncrl.core.stream import PromptStream, epoch_permutation
 
 
@@ -32,6 +34,7 @@ def test_permutation_is_a_pure_function_of_seed_and_epoch():
     assert epoch_permutation(0, 0, 8) == [4, 1, 3, 7, 0, 2, 6, 5]
 
 
+@pytest.mark.slow
 def test_permutation_does_not_depend_on_the_process_hash_seed():
     code = "from asyncrl.core.stream import epoch_permutation; print(epoch_permutation(3, 1, 50))"
     outputs = {

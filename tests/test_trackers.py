@@ -171,7 +171,7 @@ def test_a_killed_and_resumed_run_logs_its_retrained_steps_into_the_same_tracker
     run = tmp_path / "run"
     args = ["train", str(repo_root / "configs/demo.yaml"), "--run-dir", str(run), *SMALL]
     args += ["run.max_num_steps=7", "checkpoint.save_period=2", *BOTH]
-    monkeypatch.setenv("ASYNCRL_FAULT", "train.optimizer_step:6")
+    monkeypatch.setenv("ASYNCRL_FAULT", "train.optimizer_step[step=5]")
     killed = run_cli(*args)
     assert killed.returncode == -9, killed.stdout + killed.stderr
     ids = tracker_ids(run)
@@ -209,6 +209,7 @@ EVAL_STEPS = [
 """`eval/...` keys on some steps only, keys with `/` and `@`, and fields no tracker logs."""
 
 
+@pytest.mark.slow
 def test_keys_with_slash_and_at_and_keys_on_some_steps_only_reach_both_trackers(tmp_path):
     logging = LoggingConfig(wandb=True, mlflow=True)
     for sink in (WandbSink(tmp_path, logging, {}), MlflowSink(tmp_path, logging, {})):

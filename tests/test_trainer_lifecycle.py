@@ -37,6 +37,7 @@ def collector_threads() -> list[threading.Thread]:
     return [t for t in threading.enumerate() if t.name == "asyncrl-collector" and t.is_alive()]
 
 
+@pytest.mark.slow
 def test_the_collector_thread_has_ended_when_train_returns(tmp_path, monkeypatch):
     real = TorchGenerationEngine.generate
 
