@@ -43,8 +43,10 @@ ppo-demo: setup
 rloo-demo: setup
 	$(BIN)/asyncrl train configs/rloo_demo.yaml --run-dir $(call demo_dir,rloo-demo)
 
+# the whole suite, CI's command: a test file to each of TEST_WORKERS processes (pytest-xdist)
+TEST_WORKERS ?= 2
 test: lint
-	$(BIN)/pytest -q
+	$(BIN)/pytest -q -n $(TEST_WORKERS) --dist loadfile
 
 # the inner loop (< 5 min): lint, the tests that start no process and take <= 5 s each (a test
 # past that fails, naming itself), and one real SIGKILL-resume-audit (marked smoke)

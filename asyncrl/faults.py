@@ -1,8 +1,9 @@
 """Fault injection for crash tests: the process SIGKILLs itself at a named point, in a named state.
 
 `ASYNCRL_FAULT` is read once, at import. Unset — the default — every `fault_point` call is one
-comparison and nothing else. The points mark where durable or shared state changes; `POINTS`
-lists them all, and `FACTS` what each point knows of the state it is in.
+comparison and nothing else. The points mark where durable or shared state changes (`POINTS`
+in the trainer's process, `WORKER_POINTS`, `RANK_POINTS`), and `FACTS` says what each point
+knows of the state it is in.
 
     POINT                         its first pass
     POINT:N                       its N-th pass
