@@ -80,6 +80,8 @@ def wandb_launches(run_dir: Path) -> list[dict[str, Any]]:
                 )
             elif kind == "metric":
                 launch["metrics"].append(record.metric)
+            elif kind == "exit":
+                launch["exited"] = True
             elif kind == "history":
                 launch["rows"].append(
                     {
@@ -89,6 +91,21 @@ def wandb_launches(run_dir: Path) -> list[dict[str, Any]]:
                 )
         launches.append(launch)
     return launches
+
+
+def closed_wandb_launches(run_dir: Path, timeout_s: float = 60) -> list[dict[str, Any]]:
+    """`wandb_launches` once the last launch's file holds its run's exit record: W&B's service
+    process writes the file, and `finish()` was once seen to return (the whole suite running on
+    both cores) before the history rows were in it. A wait for that state, bounded so that a
+    file that never gets there fails the test instead of hanging it."""
+    import time
+
+    deadline = time.monotonic() + timeout_s
+    while True:
+        launches = wandb_launches(run_dir)
+        if (launches and launches[-1].get("exited")) or time.monotonic() > deadline:
+            return launches
+        time.sleep(0.05)
 
 
 def mlflow_client(run_dir: Path):
@@ -113,7 +130,7 @@ def test_a_run_logs_every_numeric_metric_of_every_step_to_wandb_and_mlflow(tmp_p
     ids = tracker_ids(run)
     expected = [(r["step"], r["reward_mean"]) for r in records]
 
-    (launch,) = wandb_launches(run)
+    (launch,) = closed_wandb_launches(run)
     assert launch["run_id"] == ids["wandb_run_id"]
     assert [(row["step"], row["reward_mean"]) for row in launch["rows"]] == expected
     for row, record in zip(launch["rows"], records, strict=True):
@@ -145,7 +162,7 @@ def test_a_resumed_run_continues_the_same_tracker_runs(tmp_path):
     records = read_records(run / "metrics.jsonl")
     logged = [(r["step"], r["reward_mean"]) for r in records]
     assert [s for s, _ in logged] == [0, 1, 2, 3, 4]
-    launches = wandb_launches(run)
+    launches = closed_wandb_launches(run)
     assert [launch["run_id"] for launch in launches] == [ids["wandb_run_id"]] * 2
     assert [launch["config"]["run.max_num_steps"] for launch in launches] == [3, 5]
     rows = [(row["step"], row["reward_mean"]) for launch in launches for row in launch["rows"]]
@@ -187,7 +204,7 @@ def test_a_killed_and_resumed_run_logs_its_retrained_steps_into_the_same_tracker
     assert len(steps) > 7  # steps were retrained
 
     resumed_rows = [(r["step"], r["reward_mean"]) for r in records if r["attempt"] == 1]
-    last = wandb_launches(run)[-1]
+    last = closed_wandb_launches(run)[-1]
     assert last["run_id"] == ids["wandb_run_id"]
     assert [(row["step"], row["reward_mean"]) for row in last["rows"]] == resumed_rows
 
@@ -217,7 +234,8 @@ def test_keys_with_slash_and_at_and_keys_on_some_steps_only_reach_both_trackers(
             sink.write(record)
         sink.close()
 
-    (launch,) = wandb_launches(tmp_path)
+    (launch,) = closed_wandb_launches(tmp_path)
+    assert launch.get("exited"), "W&B never wrote the run's exit record"
     evals = [(r["step"], r["eval/pass@4"], r["reward/correct"]) for r in launch["rows"][::2]]
     assert evals == [(0, 0.25, 3), (2, 0.5, 4)]
     assert "eval/pass@4" not in launch["rows"][1]
