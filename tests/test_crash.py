@@ -105,7 +105,7 @@ def test_random_sigkills_and_a_kill_mid_checkpoint_lose_nothing(tmp_path, repo_r
     rng = random.Random(1234)
     # 1: killed by SIGKILL while writing the second checkpoint's first file
     proc = launch(run, repo_root, *algo, fault="checkpoint.file_written[step=6]")
-    out, _ = proc.communicate(timeout=120)
+    out, _ = proc.communicate(timeout=480)
     assert proc.returncode == -signal.SIGKILL, out
     assert list((run / "checkpoints").glob(".tmp-step_000006-*")), "died mid-write"
     # 2-4: killed at random moments
@@ -150,7 +150,7 @@ def test_the_same_crash_under_drop_incomplete_is_caught_by_the_audit(tmp_path, r
     # collector waiting on a full window has none: which checkpoint that is depends on timing)
     run = tmp_path / "run"
     proc = launch(run, repo_root, fault="checkpoint.parent_fsynced[in_flight]")
-    out, _ = proc.communicate(timeout=120)
+    out, _ = proc.communicate(timeout=480)
     assert proc.returncode == -signal.SIGKILL, f"no checkpoint had prompts in flight: {out}"
     saved = inspect_json(run)
     assert saved["in_flight_ordinals"], "the newest checkpoint is the one with prompts in flight"
@@ -202,7 +202,7 @@ def test_inspect_predicts_what_each_resume_policy_then_does(tmp_path, repo_root)
     # durable: every policy then has something to keep, skip or discard
     state = "checkpoint.parent_fsynced[in_flight,buffered]"
     proc = launch(base, repo_root, "rollout.groups_per_batch=1", fault=state)
-    out, _ = proc.communicate(timeout=120)
+    out, _ = proc.communicate(timeout=480)
     assert proc.returncode == -signal.SIGKILL, f"no checkpoint was in {state}: {out}"
     info = inspect_json(base)
     step = info["step"]
@@ -283,7 +283,7 @@ def test_a_kill_at_every_crash_point_loses_nothing(tmp_path, repo_root, point):
     run = tmp_path / "run"
     short = ["run.max_num_steps=10", "checkpoint.save_period=2", "rollout.groups_per_batch=2"]
     proc = launch(run, repo_root, *short, fault=f"{point}:3")
-    out, _ = proc.communicate(timeout=120)
+    out, _ = proc.communicate(timeout=480)
     assert proc.returncode == -signal.SIGKILL, f"{point} never reached: {out}"
     newest = newest_verified_step(run)  # what the kill left loadable, before the rerun looks
     # --restart only where nothing was (some points fire before any checkpoint): with it, a

@@ -68,14 +68,14 @@ PARTIALS = "checkpoint.parent_fsynced[partial_tokens]"
 
 def run_to_kill(run_dir: Path, repo_root: Path, fault: str, extra: tuple[str, ...] = ()) -> None:
     proc = launch(run_dir, repo_root, fault=fault, extra=extra)
-    out, _ = proc.communicate(timeout=120)
+    out, _ = proc.communicate(timeout=480)
     assert proc.returncode == -signal.SIGKILL, f"{fault} never fired: {out}"
 
 
 def finish(run_dir: Path, repo_root: Path, skip: str = "", extra: tuple[str, ...] = ()) -> int:
     proc = launch(run_dir, repo_root, skip=skip, extra=extra)
     try:
-        proc.communicate(timeout=90)
+        proc.communicate(timeout=480)
     except subprocess.TimeoutExpired:
         proc.kill()
         proc.communicate()

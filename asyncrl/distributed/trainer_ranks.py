@@ -137,6 +137,12 @@ class RankGroup:
 
     def failure(self, err: BaseException | None) -> RankFailed:
         dead = self.dead()
+        # a killed rank's sockets close as it exits, so a collective can fail a moment before
+        # the process is reaped: wait (a little) for the rank to name, not the broken pipe
+        deadline = time.monotonic() + 5.0
+        while err is not None and self.children and not dead and time.monotonic() < deadline:
+            time.sleep(0.01)
+            dead = self.dead()
         what = "; ".join(dead) if dead else f"a collective failed: {err}"
         return RankFailed(
             f"trainer {what}; the run stops with no checkpoint newer than the last verified one"
