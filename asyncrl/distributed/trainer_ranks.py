@@ -53,6 +53,10 @@ from asyncrl.distributed.ranks import LOCAL_RENDEZVOUS, TorchRanks, init_ranks
 from asyncrl.faults import fault_facts, fault_point
 from asyncrl.models.device import resolve_device
 
+COLLECTIVE_DEATH_WAIT_S = 5.0
+"""After a failed collective, how long rank 0 waits for a rank it started to be seen dead (so
+the error names the rank, not the broken connection)."""
+
 
 class RankFailed(RuntimeError):
     """A trainer rank died or a collective failed: the run stops; the newest verified
@@ -122,12 +126,20 @@ class RankGroup:
             self._broken = True
             raise self.failure(err) from err
 
-    def dead(self) -> list[str]:
-        return [
-            f"rank {rank} (pid {child.pid}) exited with {child.returncode}"
-            for rank, child in enumerate(self.children, start=1)
-            if child.poll() is not None
-        ]
+    def dead(self, wait_s: float = 0.0) -> list[str]:
+        """The other ranks that have exited ("rank R (pid P) exited with C"); with `wait_s`,
+        waits up to that long for one to: a killed rank's sockets close as it exits, so a
+        collective fails a moment before its process can be reaped."""
+        deadline = time.monotonic() + wait_s
+        while True:
+            found = [
+                f"rank {rank} (pid {child.pid}) exited with {child.returncode}"
+                for rank, child in enumerate(self.children, start=1)
+                if child.poll() is not None
+            ]
+            if found or not self.children or time.monotonic() >= deadline:
+                return found
+            time.sleep(0.01)
 
     def check_alive(self) -> None:
         dead = self.dead()
@@ -136,13 +148,9 @@ class RankGroup:
             raise self.failure(None)
 
     def failure(self, err: BaseException | None) -> RankFailed:
-        dead = self.dead()
-        # a killed rank's sockets close as it exits, so a collective can fail a moment before
-        # the process is reaped: wait (a little) for the rank to name, not the broken pipe
-        deadline = time.monotonic() + 5.0
-        while err is not None and self.children and not dead and time.monotonic() < deadline:
-            time.sleep(0.01)
-            dead = self.dead()
+        """The run's failure, naming the ranks that died; `err` is the collective's error, the
+        symptom (reported only when no rank of ours died)."""
+        dead = self.dead(wait_s=COLLECTIVE_DEATH_WAIT_S if err is not None else 0.0)
         what = "; ".join(dead) if dead else f"a collective failed: {err}"
         return RankFailed(
             f"trainer {what}; the run stops with no checkpoint newer than the last verified one"

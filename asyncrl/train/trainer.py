@@ -42,7 +42,13 @@ from asyncrl.config import Config
 from asyncrl.config_keys import benign_differences, config_hash
 from asyncrl.core.buffer import tokens_per_group
 from asyncrl.core.resume import ResumePlan, plan_resume
-from asyncrl.distributed.trainer_ranks import RankFailed, RankGroup, launch, restore_templates
+from asyncrl.distributed.trainer_ranks import (
+    COLLECTIVE_DEATH_WAIT_S,
+    RankFailed,
+    RankGroup,
+    launch,
+    restore_templates,
+)
 from asyncrl.faults import cut_facts, fault_point
 from asyncrl.rollout.collector import Chunk, GenerationFailed
 from asyncrl.train.components import build_components
@@ -474,8 +480,11 @@ def train(
             with contextlib.suppress(BaseException):
                 trainer.writer.wait()  # a write in progress is still a good checkpoint
             trainer.close()
-            if group is not None and not isinstance(err, RankFailed) and group.dead():
-                raise group.failure(err) from err  # the cause, not the symptom
+            if group is not None and not isinstance(err, RankFailed | Preempted):
+                # a collective broken by a dead rank is a RuntimeError (gloo, NCCL)
+                wait_s = COLLECTIVE_DEATH_WAIT_S if isinstance(err, RuntimeError) else 0.0
+                if group.dead(wait_s):
+                    raise group.failure(err) from err  # the cause, not the symptom
             raise
         finally:
             trainer.parts.shutdown()  # Ray actors and a local Ray, if this run started them
