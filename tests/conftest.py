@@ -13,7 +13,7 @@ def pytest_addoption(parser):
         "--fast-tier",
         action="store_true",
         help=f"fail a test (not marked smoke) whose setup or call takes over "
-        f"{FAST_TIER_BUDGET_S:g} s or that starts a subprocess, naming it",
+        f"{FAST_TIER_BUDGET_S:g} s or that starts a Python process, naming it",
     )
 
 
