@@ -480,7 +480,7 @@ def train(
             with contextlib.suppress(BaseException):
                 trainer.writer.wait()  # a write in progress is still a good checkpoint
             trainer.close()
-            if group is not None and not isinstance(err, RankFailed | Preempted):
+            if group is not None and not isinstance(err, RankFailed):
                 # a collective broken by a dead rank is a RuntimeError (gloo, NCCL)
                 wait_s = COLLECTIVE_DEATH_WAIT_S if isinstance(err, RuntimeError) else 0.0
                 if group.dead(wait_s):
