@@ -76,6 +76,11 @@ def test_facts_come_from_the_call_and_from_the_calling_threads_context(monkeypat
     assert kills == []
     faults.fault_point("checkpoint.file_written", step=6)  # a fact of the call itself
     assert kills == [faults.signal.SIGKILL]
+    monkeypatch.setattr(faults, "_TRIGGER", Trigger(parse("checkpoint.file_written[step=6]")))
+    thread = threading.Thread(target=write, args=(6,))  # a fact of the thread's context
+    thread.start()
+    thread.join()
+    assert kills == [faults.signal.SIGKILL] * 2
 
 
 def test_bad_specs_are_refused_naming_the_point_or_the_fact():
