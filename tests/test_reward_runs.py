@@ -5,6 +5,7 @@ raises are retried, then reported naming the ordinal, and nothing is lost (`audi
 from __future__ import annotations
 
 import json
+import time
 
 import datasets
 import pytest
@@ -109,7 +110,10 @@ def test_reward_components_go_through_a_checkpoint_and_a_preempted_run_resumes_t
 
             def train_step(self):
                 record = real(self)
-                if record["step"] == stop_after:
+                if record["step"] == stop_after:  # the cut must hold a buffered group: wait for one
+                    deadline = time.monotonic() + 120
+                    while not len(self.parts.buffer) and time.monotonic() < deadline:
+                        time.sleep(0.01)
                     stop.signal_name = "SIGTERM"  # as the signal handler would
                 return record
 
