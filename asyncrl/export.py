@@ -40,7 +40,7 @@ from asyncrl.checkpoint.snapshot import (
 from asyncrl.checkpoint.store import CheckpointError, CheckpointStore, Verified, step_dir_name
 from asyncrl.checkpoint.tensorfile import read_tensors
 from asyncrl.config import Config, DataConfig
-from asyncrl.config_keys import build_config
+from asyncrl.config.keys import build_config
 from asyncrl.models.policy import Policy, load_policy
 from asyncrl.tasks.source import alphabet, task_examples
 from asyncrl.train.rundir import check_coherent

@@ -23,7 +23,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from asyncrl.config_keys import build_config
+from asyncrl.config.keys import build_config
 from asyncrl.train.records import read_jsonl
 from asyncrl.train.trainer import train
 

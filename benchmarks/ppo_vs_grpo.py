@@ -27,7 +27,7 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 
-from asyncrl.config_keys import load_config
+from asyncrl.config.keys import load_config
 from asyncrl.train.records import latest_records, read_jsonl
 from asyncrl.train.trainer import train
 

@@ -20,7 +20,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from asyncrl.config_keys import build_config
+from asyncrl.config.keys import build_config
 from asyncrl.train.records import read_jsonl
 from asyncrl.train.trainer import train
 

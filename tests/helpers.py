@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from asyncrl.config import Config
-from asyncrl.config_keys import build_config
+from asyncrl.config.keys import build_config
 
 DIGITS = "0123456789="
 """The alphabet of the built-in sort_digits task."""

@@ -17,7 +17,7 @@ import sys
 import torch
 
 from asyncrl.algos.parallel import SINGLE
-from asyncrl.config_keys import build_config
+from asyncrl.config.keys import build_config
 from asyncrl.distributed import ranks as ranks_module
 from asyncrl.train.components import build_trainer_side
 

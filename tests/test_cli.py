@@ -10,7 +10,7 @@ import pytest
 from helpers import SMALL, read_records, run_cli
 
 from asyncrl.cli import build_parser, parse_args
-from asyncrl.config_keys import config_keys
+from asyncrl.config.keys import config_keys
 
 FROZEN_COMMANDS = {
     "train": {"config", "--run-dir", "--restart", "--force-config", "overrides"},
@@ -44,9 +44,9 @@ FROZEN_CONFIG_KEYS = [
     "algo.adam_beta1", "algo.adam_beta2",
     "algo.adam_epsilon", "algo.loss_aggregation", "algo.max_grad_norm", "algo.clip_eps",
     "algo.kl_coef", "algo.kl_estimator", "algo.entropy_coef",
-    # the `grpo` algorithm's own keys (asyncrl/algos/grpo.py GRPOOptions)
+    # the `grpo` algorithm's own keys (asyncrl/config/algos.py GRPOOptions)
     "algo.scale_rewards", "algo.mismatch_tis_cap",
-    # the `ppo` algorithm's own keys (asyncrl/algos/ppo.py PPOOptions)
+    # the `ppo` algorithm's own keys (asyncrl/config/algos.py PPOOptions)
     "algo.kl_in_reward", "algo.gamma",
     "algo.lam", "algo.normalize_advantages", "algo.ppo_epochs", "algo.num_minibatches",
     "algo.critic_lr", "algo.value_clip_eps", "algo.critic_warmup_steps", "algo.tis_cap",
@@ -134,7 +134,7 @@ def test_a_checkpoint_from_a_newer_asyncrl_is_refused_with_exit_2_and_nothing_tr
 ):
     import json
 
-    from asyncrl.config_keys import load_config
+    from asyncrl.config.keys import load_config
     from asyncrl.train.trainer import train
 
     demo = str(repo_root / "configs" / "demo.yaml")

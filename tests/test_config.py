@@ -11,7 +11,7 @@ from asyncrl.config import (
     algorithm_names,
     options_class,
 )
-from asyncrl.config_keys import (
+from asyncrl.config.keys import (
     SECTIONS,
     build_config,
     config_keys,
@@ -21,7 +21,7 @@ from asyncrl.config_keys import (
     resume_rule,
     semantic_differences,
 )
-from asyncrl.config_keys import (
+from asyncrl.config.keys import (
     dump_config as dump,
 )
 

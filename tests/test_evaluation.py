@@ -13,7 +13,7 @@ from test_determinism import fingerprint
 
 from asyncrl.audit import audit_run_dir
 from asyncrl.config import ConfigError
-from asyncrl.config_keys import build_config
+from asyncrl.config.keys import build_config
 from asyncrl.rollout.engine import GenerationRequest
 from asyncrl.tasks.source import sort_digits_examples
 from asyncrl.train.components import build_components

@@ -15,7 +15,7 @@ from helpers import read_records, small_config
 
 from asyncrl.algos.schedule import StepSchedule
 from asyncrl.config import ConfigError
-from asyncrl.config_keys import resume_rule
+from asyncrl.config.keys import resume_rule
 from asyncrl.train.components import build_components
 from asyncrl.train.trainer import train
 

@@ -10,7 +10,7 @@ from helpers import groups_of, small_config
 from asyncrl.algos import ALGORITHMS, algorithm_class
 from asyncrl.algos.rloo import RLOO, leave_one_out_advantages
 from asyncrl.config import ConfigError
-from asyncrl.config_keys import build_config
+from asyncrl.config.keys import build_config
 
 
 def test_each_sample_is_judged_against_the_mean_of_the_others_by_hand():

@@ -1,22 +1,17 @@
-"""The algorithm registry: `algo.name` -> its class (`asyncrl.algos.base.Algorithm`).
-
-Adding an algorithm is one file in this package and one line here."""
+"""The algorithms: `algo.name` -> its class (`asyncrl.algos.base.Algorithm`), imported on first
+use. The names and each algorithm's own keys live in `asyncrl/config/algos.py`, torch-free."""
 
 from __future__ import annotations
 
 import importlib
 from typing import TYPE_CHECKING
 
+from asyncrl.config.algos import ALGORITHMS
+
 if TYPE_CHECKING:
     from asyncrl.algos.base import Algorithm
 
-ALGORITHMS: dict[str, str] = {
-    "grpo": "asyncrl.algos.grpo:GRPO",
-    "ppo": "asyncrl.algos.ppo:PPO",
-    "rloo": "asyncrl.algos.rloo:RLOO",
-}
-"""name -> `module:Class`, imported on first use (so reading a config imports no model code
-until it must)."""
+__all__ = ["ALGORITHMS", "algorithm_class"]
 
 
 def algorithm_class(name: str) -> type[Algorithm]:

@@ -1,19 +1,18 @@
 """The one seam between the training loop and an RL algorithm (STYLE.md rule 13).
 
 The trainer never branches on the algorithm: it builds the class the registry names for
-`algo.name` (`asyncrl/algos/__init__.py`), calls `step(groups, step)` once per training step,
+`algo.name` (`asyncrl/config/algos.py`), calls `step(groups, step)` once per training step,
 publishes `policy_weights()` to generation, and checkpoints `state_dict()` as the
 `algorithm` part. Everything an algorithm owns — its optimizers, a critic, the hash of its
 reference policy — lives inside that state; the trainer knows none of it.
 
-An algorithm's own config keys are a dataclass, `Options`, next to it in its file: they are
-`algo.KEY` like the shared keys (`AlgoConfig`), and setting one under another `algo.name` is
-refused naming the algorithm it belongs to.
+An algorithm's own config keys are a dataclass, `Options`, in `asyncrl/config/algos.py` (so a
+config is read without torch): they are `algo.KEY` like the shared keys (`AlgoConfig`), and
+setting one under another `algo.name` is refused naming the algorithm it belongs to.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
 import torch
@@ -27,14 +26,6 @@ if TYPE_CHECKING:
     from asyncrl.algos.update import ReferencePolicy
     from asyncrl.config import Config
     from asyncrl.models.policy import Policy
-
-
-@dataclass
-class NoOptions:
-    """An algorithm without keys of its own."""
-
-    def validate(self, config: Config) -> None:
-        return None
 
 
 class Algorithm(Protocol):

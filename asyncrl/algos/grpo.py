@@ -8,8 +8,7 @@ group's rewards into advantages overrides `advantages` (RLOO does)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, ClassVar, Literal
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 
@@ -28,7 +27,7 @@ from asyncrl.algos.update import (
     stack_groups,
     to_device,
 )
-from asyncrl.config import ConfigError
+from asyncrl.config.algos import GRPOOptions
 from asyncrl.core.advantages import scaled_group_advantages
 from asyncrl.core.losses import (
     ClippedPolicyLoss,
@@ -42,29 +41,6 @@ from asyncrl.models.device import autocast, model_device
 if TYPE_CHECKING:
     from asyncrl.config import Config
     from asyncrl.models.policy import Policy
-
-
-@dataclass
-class GRPOOptions:
-    scale_rewards: Literal["group", "batch", "none"] = "group"
-    """What a sample's advantage `r - mean(group)` is divided by: `group` the std of its
-    group's rewards (GRPO), `batch` the std of the step's rewards, `none` nothing (Dr. GRPO;
-    a group with little spread then weighs little instead of as much as any other)."""
-    mismatch_tis_cap: float = 0.0
-    """0: the clipped ratio is taken against the behaviour log-probs (it corrects the weights
-    lag; GRPO as published). >= 1: the engine/trainer mismatch correction of Yao et al. 2025
-    (for `rollout.engine=vllm`, whose log-probs are not the trainer's): the ratio is taken
-    against the trainer's own log-probs before the step, and each token's loss is weighted by
-    `min(pi_trainer / pi_behaviour, mismatch_tis_cap)`, as `ppo` does with its `tis_cap` (a
-    name of its own here: 0 means off, not untruncated)."""
-
-    def validate(self, config: Config) -> None:
-        validate_tis_cap(self.mismatch_tis_cap)
-
-
-def validate_tis_cap(cap: float) -> None:
-    if not (cap == 0 or cap >= 1):
-        raise ConfigError(f"algo.mismatch_tis_cap: got {cap!r}, must be 0 (off) or >= 1")
 
 
 class GRPO:

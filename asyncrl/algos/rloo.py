@@ -15,16 +15,15 @@ lag of async generation), the token mean over the step, the optional KL and entr
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, ClassVar
 
 import torch
 
-from asyncrl.algos.grpo import GRPO, validate_tis_cap
-from asyncrl.config import ConfigError
+from asyncrl.algos.grpo import GRPO
+from asyncrl.config.algos import RLOOOptions
 
 if TYPE_CHECKING:
-    from asyncrl.config import Config
+    pass
 
 
 def leave_one_out_advantages(rewards: torch.Tensor) -> torch.Tensor:
@@ -32,24 +31,6 @@ def leave_one_out_advantages(rewards: torch.Tensor) -> torch.Tensor:
     num_samples = rewards.shape[1]
     others_mean = (rewards.sum(dim=1, keepdim=True) - rewards) / (num_samples - 1)
     return rewards - others_mean
-
-
-@dataclass
-class RLOOOptions:
-    """RLOO needs two samples per prompt at least."""
-
-    mismatch_tis_cap: float = 0.0
-    """As GRPO's: 0 takes the clipped ratio against the behaviour log-probs; >= 1 corrects the
-    engine/trainer mismatch with truncated importance weights (Yao et al. 2025)."""
-
-    def validate(self, config: Config) -> None:
-        validate_tis_cap(self.mismatch_tis_cap)
-        g = config.rollout.num_generations_per_prompt
-        if g < 2:
-            raise ConfigError(
-                f"rollout.num_generations_per_prompt: got {g}, algo.name=rloo needs >= 2 "
-                "(each sample's baseline is the mean of the others)"
-            )
 
 
 class RLOO(GRPO):

@@ -241,7 +241,7 @@ def _watch_parent(parent_pid: int) -> None:
 def serve(device: torch.device) -> int:
     """A rank > 0: joins the group, builds the policy and the algorithm from rank 0's config,
     and answers rank 0's commands until it says stop. Returns the exit code."""
-    from asyncrl.config_keys import build_config
+    from asyncrl.config.keys import build_config
     from asyncrl.train.components import build_trainer_side
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # rank 0 stops the run, with our help

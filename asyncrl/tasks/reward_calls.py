@@ -17,7 +17,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from asyncrl.config_base import ConfigError
+from asyncrl.config.base import ConfigError
 
 
 class RewardFailure(RuntimeError):

@@ -249,7 +249,7 @@ def evaluate_checkpoint(
     settings changed by `overrides`), on the policy the checkpoint saved. Returns the step it
     was saved after and the `eval/...` metrics. Raises `ExportError` / `ConfigError` naming
     what is missing."""
-    from asyncrl.config_keys import load_config
+    from asyncrl.config.keys import load_config
     from asyncrl.export import ExportError, checkpoint_policy, verified_checkpoint
     from asyncrl.tasks.source import load_task
 

@@ -23,7 +23,7 @@ from asyncrl.checkpoint.store import (
     Verified,
 )
 from asyncrl.config import Config, buffer_capacity
-from asyncrl.config_keys import dump_config, resume_rule, semantic_differences
+from asyncrl.config.keys import dump_config, resume_rule, semantic_differences
 from asyncrl.train.records import read_jsonl
 
 

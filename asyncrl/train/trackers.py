@@ -31,7 +31,7 @@ from typing import Any
 from urllib.parse import urlparse
 
 from asyncrl.config import ConfigError, LoggingConfig
-from asyncrl.config_keys import flatten
+from asyncrl.config.keys import flatten
 
 TRACKERS_FILE = "trackers.json"
 """In the run dir: the ids of the tracker runs this run logs to."""

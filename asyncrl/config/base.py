@@ -1,6 +1,6 @@
 """What every config section shares: the error a user must fix, the resume metadata of a field
 and the one-line value check. A module of its own so that sections may live in several files
-(`asyncrl.config`, `asyncrl.config_data`) without importing each other in a circle."""
+(`asyncrl.config`, `asyncrl.config.data`) without importing each other in a circle."""
 
 from __future__ import annotations
 

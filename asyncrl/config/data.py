@@ -7,7 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
-from asyncrl.config_base import MAY_CHANGE, ConfigError, require
+from asyncrl.config.base import MAY_CHANGE, ConfigError, require
 
 BUILTIN_REWARDS = {
     "partial_match": "asyncrl.tasks.rewards:partial_match",

@@ -3,7 +3,8 @@
 Each field's docstring (the string literal under it) is its only documentation; the README's
 config reference is generated from them (`make docs`). Each field's metadata
 says what a resume may do with it. Loading from YAML with dotted overrides, the flat
-`section.key` surface, resume comparisons and the reference live in `asyncrl.config_keys`.
+`section.key` surface, resume comparisons and the reference live in `asyncrl.config.keys`;
+the algorithms' own keys in `asyncrl.config.algos`.
 """
 
 from __future__ import annotations
@@ -14,25 +15,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from asyncrl.config_base import (
+from asyncrl.config.algos import options_class
+from asyncrl.config.base import (
     MAY_CHANGE,
     MAY_CHANGE_UNLESS_DETERMINISTIC,
     NEVER_CHANGES,
-    ON_RESUME,
     ConfigError,
 )
-from asyncrl.config_base import require as _require
-from asyncrl.config_data import DataConfig, EvalConfig
-
-__all__ = [
-    "MAY_CHANGE",
-    "MAY_CHANGE_UNLESS_DETERMINISTIC",
-    "NEVER_CHANGES",
-    "ON_RESUME",
-    "ConfigError",
-    "DataConfig",
-    "EvalConfig",
-]
+from asyncrl.config.base import require as _require
+from asyncrl.config.data import DataConfig, EvalConfig
 
 
 @dataclass
@@ -291,7 +282,7 @@ class AlgoConfig:
     (in its file under `asyncrl/algos/`), set as `algo.KEY` like these and held in `options`."""
 
     name: str = "grpo"
-    """The RL algorithm: a name in the registry (`asyncrl/algos/__init__.py`; a bad name lists
+    """The RL algorithm: a name in the registry (`asyncrl/config/algos.py`; a bad name lists
     them). `grpo` is group-normalised advantages without a critic; the others are described in
     docs/algorithms.md."""
     lr: float = 3e-4
@@ -352,19 +343,6 @@ class AlgoConfig:
         _require(0 < self.clip_eps < 1, "algo.clip_eps", self.clip_eps, "in (0, 1)")
         _require(self.kl_coef >= 0, "algo.kl_coef", self.kl_coef, ">= 0")
         _require(self.entropy_coef >= 0, "algo.entropy_coef", self.entropy_coef, ">= 0")
-
-
-def algorithm_names() -> list[str]:
-    from asyncrl.algos import ALGORITHMS  # the registry; imported here to avoid a cycle
-
-    return list(ALGORITHMS)
-
-
-def options_class(name: str) -> type:
-    """The `Options` dataclass of algorithm `name` (its own `algo.*` keys)."""
-    from asyncrl.algos import algorithm_class
-
-    return algorithm_class(name).Options
 
 
 @dataclass

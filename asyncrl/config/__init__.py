@@ -1,0 +1,58 @@
+"""The config schema, torch-free: `import asyncrl.config` loads no torch or transformers (a
+test checks), so reading, validating and documenting a config is cheap anywhere.
+
+- `base`: `ConfigError`, the resume metadata of a field, the one-line value check;
+- `sections`: one dataclass per section (`run`, `model`, `rollout`, `train`, `algo`, ...) and
+  `Config`; `data`: the `data.*` and `eval.*` sections;
+- `algos`: every algorithm's own keys (`Options`) and the registry of names;
+- `keys`: the flat `section.key` surface: loading YAML with overrides, resume rules, the hash,
+  the generated reference.
+"""
+
+from __future__ import annotations
+
+from asyncrl.config.algos import algorithm_names, options_class
+from asyncrl.config.base import (
+    MAY_CHANGE,
+    MAY_CHANGE_UNLESS_DETERMINISTIC,
+    NEVER_CHANGES,
+    ON_RESUME,
+    ConfigError,
+)
+from asyncrl.config.data import DataConfig, EvalConfig
+from asyncrl.config.sections import (
+    AlgoConfig,
+    CheckpointConfig,
+    Config,
+    LoggingConfig,
+    ModelConfig,
+    RayConfig,
+    RolloutConfig,
+    RunConfig,
+    TrainConfig,
+    VLLMConfig,
+    buffer_capacity,
+)
+
+__all__ = [
+    "MAY_CHANGE",
+    "MAY_CHANGE_UNLESS_DETERMINISTIC",
+    "NEVER_CHANGES",
+    "ON_RESUME",
+    "AlgoConfig",
+    "CheckpointConfig",
+    "Config",
+    "ConfigError",
+    "DataConfig",
+    "EvalConfig",
+    "LoggingConfig",
+    "ModelConfig",
+    "RayConfig",
+    "RolloutConfig",
+    "RunConfig",
+    "TrainConfig",
+    "VLLMConfig",
+    "algorithm_names",
+    "buffer_capacity",
+    "options_class",
+]
