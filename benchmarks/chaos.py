@@ -27,9 +27,9 @@ import sys
 import time
 from pathlib import Path
 
-from asyncrl.audit import audit_run_dir, format_report
 from asyncrl.checkpoint.snapshot import FILES
 from asyncrl.checkpoint.store import CheckpointStore
+from asyncrl.cli.audit import audit_run_dir, format_report
 from asyncrl.train.records import read_jsonl
 
 ROOT = Path(__file__).resolve().parents[1]

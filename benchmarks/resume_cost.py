@@ -37,8 +37,8 @@ from typing import Any
 
 from long_generation import shape, write_task
 
+from asyncrl.cli.inspect import inspect_run_dir
 from asyncrl.core.resume import POLICIES
-from asyncrl.inspect_run import inspect_run_dir
 from asyncrl.train.records import read_jsonl
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -28,6 +28,16 @@ def small_config(*overrides: str) -> Config:
     return build_config({}, [*SMALL, *overrides])
 
 
+def train_and_report(config: Config, run_dir: Path, *args: Any, **kwargs: Any) -> str:
+    """As `asyncrl train` does: trains, then writes the plots (with `logging.plot`) and returns
+    the end-of-run summary."""
+    from asyncrl.cli.report import end_of_run_report
+    from asyncrl.train.trainer import train
+
+    train(config, run_dir, *args, **kwargs)
+    return end_of_run_report(run_dir, config.logging.plot)
+
+
 def read_records(path: Path) -> list[dict[str, Any]]:
     """Every record of a finished JSON-lines file; a line that does not parse fails the test."""
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]

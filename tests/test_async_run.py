@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import read_records, small_config
+from helpers import read_records, small_config, train_and_report
 
 from asyncrl.algos import algorithm_class
 from asyncrl.core.stream import PromptStream
@@ -98,7 +98,7 @@ def test_synchronous_training_never_overlaps_generation_with_training(tmp_path):
 def test_async_run_trains_each_step_on_its_own_ordinals_within_the_staleness_bound(tmp_path):
     n, age = 4, 2
     config = small_config(f"rollout.max_trajectory_age_steps={age}", "run.max_num_steps=12")
-    summary = train(config, tmp_path / "run")
+    summary = train_and_report(config, tmp_path / "run")
     records = read_records(tmp_path / "run" / "metrics.jsonl")
     assert [r["step"] for r in records] == list(range(12))
     for r in records:
@@ -116,7 +116,7 @@ def test_async_run_trains_each_step_on_its_own_ordinals_within_the_staleness_bou
 def test_the_run_dir_holds_the_contract_files_and_events(tmp_path):
     config = small_config("logging.plot=true", "logging.tensorboard=true", "run.max_num_steps=3")
     run = tmp_path / "run"
-    train(config, run)
+    train_and_report(config, run)
     for name in (
         "config.yaml",
         "metrics.jsonl",

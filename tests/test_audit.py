@@ -1,7 +1,7 @@
 """`asyncrl audit` on hand-written records: it passes a clean history and names the ordinals
 of every kind of violation."""
 
-from asyncrl.audit import audit_records
+from asyncrl.cli.audit import audit_records
 
 N = 2
 

@@ -238,9 +238,9 @@ def make_incoherent(step_dir) -> None:
 def test_an_incoherent_newest_checkpoint_is_neither_kept_as_newest_nor_in_the_way_of_training(
     tmp_path,
 ):
-    from helpers import read_records
+    from helpers import read_records, train_and_report
 
-    from asyncrl.audit import audit_run_dir
+    from asyncrl.cli.audit import audit_run_dir
     from asyncrl.train.rundir import open_run_dir
     from asyncrl.train.trainer import train
 
@@ -258,7 +258,7 @@ def test_an_incoherent_newest_checkpoint_is_neither_kept_as_newest_nor_in_the_wa
         opened.lock.close()
     assert sorted(p.name for p in checkpoints.iterdir()) == ["step_000002", "step_000004"]
 
-    summary = train(small_config("run.max_num_steps=6", "checkpoint.save_period=2"), run)
+    summary = train_and_report(small_config("run.max_num_steps=6", "checkpoint.save_period=2"), run)
     assert "6 steps in" in summary
     (resume,) = [e for e in read_records(run / "events.jsonl") if e["event"] == "resume"]
     assert resume["from_step"] == 2

@@ -9,7 +9,7 @@ import argparse
 import pytest
 from helpers import SMALL, read_records, run_cli
 
-from asyncrl.cli import build_parser, parse_args
+from asyncrl.cli.main import build_parser, parse_args
 from asyncrl.config.keys import config_keys
 
 FROZEN_COMMANDS = {

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 from helpers import read_complete_records, read_records
 
-from asyncrl.audit import _ranges
+from asyncrl.cli.audit import _ranges
 from asyncrl.faults import POINTS
 
 pytestmark = pytest.mark.slow

@@ -306,7 +306,7 @@ def test_a_torchrun_world_size_other_than_num_processes_is_refused(monkeypatch):
     from helpers import small_config
 
     from asyncrl.config import ConfigError
-    from asyncrl.distributed.trainer_ranks import launch
+    from asyncrl.train.ranks import launch
 
     monkeypatch.setenv("WORLD_SIZE", "2")  # as torchrun sets it for rank 0 of 2
     monkeypatch.setenv("RANK", "0")
@@ -331,7 +331,7 @@ def test_a_process_can_launch_two_ranked_runs_one_after_the_other(tmp_path):
     wait_for_no_rank_processes(os.getpid())  # this process was rank 0
     # the run evaluated the full weights it published: `asyncrl eval` of its final checkpoint
     # (whole tensors from both ranks' files) gives the same numbers
-    from asyncrl.train.evaluation import evaluate_checkpoint
+    from asyncrl.cli.eval import evaluate_checkpoint
 
     step, metrics = evaluate_checkpoint(tmp_path / "run")
     assert step == 3

@@ -16,7 +16,7 @@ import pytest
 from helpers import read_complete_records, read_records
 from safetensors.torch import load_file
 
-from asyncrl.audit import audit_run_dir
+from asyncrl.cli.audit import audit_run_dir
 
 pytestmark = pytest.mark.slow
 

@@ -13,7 +13,7 @@ import pytest
 import torch
 from helpers import groups_of, read_records, small_config
 
-from asyncrl.audit import audit_run_dir
+from asyncrl.cli.audit import audit_run_dir
 from asyncrl.config import ConfigError
 from asyncrl.models.device import resolve_device
 from asyncrl.train.components import build_components

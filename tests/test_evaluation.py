@@ -11,13 +11,13 @@ import torch
 from helpers import read_records, small_config
 from test_determinism import fingerprint
 
-from asyncrl.audit import audit_run_dir
+from asyncrl.cli.audit import audit_run_dir
 from asyncrl.config import ConfigError
 from asyncrl.config.keys import build_config
 from asyncrl.rollout.engine import GenerationRequest
+from asyncrl.rollout.evaluation import Evaluator, PromptResult, eval_examples
 from asyncrl.tasks.source import sort_digits_examples
 from asyncrl.train.components import build_components
-from asyncrl.train.evaluation import Evaluator, PromptResult, eval_examples
 from asyncrl.train.trainer import train
 
 
@@ -139,7 +139,7 @@ def test_a_deterministic_run_trains_the_same_bits_with_evaluation_on_or_off(tmp_
 
 
 def test_the_eval_plot_draws_each_evaluated_step(tmp_path):
-    from asyncrl.plots import figure_eval, write_plots
+    from asyncrl.cli.plots import figure_eval, write_plots
 
     run = tmp_path / "run"
     config = small_config("eval.every_steps=2", "eval.max_examples=8", "run.max_num_steps=5")

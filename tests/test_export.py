@@ -20,8 +20,8 @@ from helpers import DIGITS, run_cli, small_config
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from asyncrl.cli import main
-from asyncrl.export import export_checkpoint
+from asyncrl.cli.export import export_checkpoint
+from asyncrl.cli.main import main
 from asyncrl.models.policy import load_policy
 from asyncrl.models.scratch import save_scratch_model
 from asyncrl.train.trainer import train

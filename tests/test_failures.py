@@ -14,8 +14,8 @@ from helpers import read_records, small_config
 import asyncrl.checkpoint.store as store_module
 from asyncrl.algos import grpo
 from asyncrl.algos.update import NonFiniteLoss
-from asyncrl.audit import audit_run_dir
 from asyncrl.checkpoint.store import CheckpointError
+from asyncrl.cli.audit import audit_run_dir
 from asyncrl.rollout.collector import GenerationFailed
 from asyncrl.rollout.torch_engine import TorchGenerationEngine
 from asyncrl.train.rundir import RunDirError

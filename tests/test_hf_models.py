@@ -11,7 +11,7 @@ from helpers import read_records, run_cli, small_config
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from asyncrl.audit import audit_run_dir
+from asyncrl.cli.audit import audit_run_dir
 from asyncrl.models.scratch import (
     Shape,
     build_model,

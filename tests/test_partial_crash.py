@@ -18,8 +18,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 from long_generation import shape, write_task
 from resume_cost import train
 
-from asyncrl.audit import audit_run_dir
-from asyncrl.inspect_run import inspect_run_dir
+from asyncrl.cli.audit import audit_run_dir
+from asyncrl.cli.inspect import inspect_run_dir
 
 pytestmark = pytest.mark.slow
 

@@ -8,9 +8,9 @@ import threading
 
 import matplotlib.image
 import pytest
-from helpers import read_records, small_config
+from helpers import read_records, small_config, train_and_report
 
-from asyncrl.plots import (
+from asyncrl.cli.plots import (
     figure_ledger,
     figure_reward_loss,
     figure_staleness,
@@ -68,7 +68,7 @@ def resumed_run(tmp_path_factory):
     assert cut["in_flight"] > 0
     shutil.rmtree(run / "checkpoints" / "step_000006")  # the final checkpoint is lost
     lossy = "checkpoint.resume_policy=keep_incomplete"
-    train(small_config(*common, "run.max_num_steps=10", lossy, "logging.plot=true"), run)
+    train_and_report(small_config(*common, "run.max_num_steps=10", lossy, "logging.plot=true"), run)
     return run
 
 

@@ -11,7 +11,7 @@ from helpers import groups_of, read_records, small_config
 
 from asyncrl.algos.update import stack_groups
 from asyncrl.checkpoint.store import CheckpointError
-from asyncrl.inspect_run import inspect_run_dir
+from asyncrl.cli.inspect import inspect_run_dir
 from asyncrl.models.critic import completion_values
 from asyncrl.train.components import build_components
 from asyncrl.train.trainer import train

@@ -17,10 +17,10 @@ import ray
 import torch
 from helpers import read_complete_records, read_records, small_config
 
-from asyncrl.audit import audit_run_dir
+from asyncrl.cli.audit import audit_run_dir
+from asyncrl.cli.inspect import inspect_run_dir
 from asyncrl.distributed.cluster import NAMESPACE
 from asyncrl.distributed.worker import worker_name
-from asyncrl.inspect_run import inspect_run_dir
 from asyncrl.rollout.collector import GenerationFailed
 from asyncrl.train.trainer import train
 

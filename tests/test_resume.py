@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import pytest
-from helpers import read_records, small_config
+from helpers import read_records, small_config, train_and_report
 
-from asyncrl.audit import audit_run_dir
+from asyncrl.cli.audit import audit_run_dir
 from asyncrl.train.rundir import RunDirError
 from asyncrl.train.trainer import train
 
@@ -13,7 +13,7 @@ from asyncrl.train.trainer import train
 def test_a_finished_run_extended_with_more_steps_resumes_from_its_final_checkpoint(tmp_path):
     run = tmp_path / "run"
     train(small_config("run.max_num_steps=4", "checkpoint.save_period=2"), run)
-    summary = train(small_config("run.max_num_steps=7", "checkpoint.save_period=2"), run)
+    summary = train_and_report(small_config("run.max_num_steps=7", "checkpoint.save_period=2"), run)
     assert "7 steps in" in summary
     metrics = read_records(run / "metrics.jsonl")
     assert [(r["step"], r["attempt"]) for r in metrics] == [
@@ -53,7 +53,7 @@ def test_a_corrupt_newest_checkpoint_falls_back_and_is_set_aside_when_training_p
     train(small_config("run.max_num_steps=4", "checkpoint.save_period=2"), run)
     state = run / "checkpoints" / "step_000004" / "state.json"
     state.write_bytes(state.read_bytes().replace(b'"step": 4', b'"step": 5', 1))
-    summary = train(small_config("run.max_num_steps=6", "checkpoint.save_period=2"), run)
+    summary = train_and_report(small_config("run.max_num_steps=6", "checkpoint.save_period=2"), run)
     assert "6 steps in" in summary
     (resume,) = [e for e in read_records(run / "events.jsonl") if e["event"] == "resume"]
     assert resume["from_step"] == 2

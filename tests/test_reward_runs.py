@@ -11,7 +11,7 @@ import datasets
 import pytest
 from helpers import hung_reward_pids, process_gone, read_records, small_config
 
-from asyncrl.audit import audit_run_dir
+from asyncrl.cli.audit import audit_run_dir
 from asyncrl.models.scratch import save_scratch_model
 from asyncrl.rollout.collector import GenerationFailed
 from asyncrl.train.trainer import train

@@ -16,8 +16,8 @@ from pathlib import Path
 import pytest
 from helpers import read_records
 
-from asyncrl.audit import audit_run_dir
-from asyncrl.inspect_run import inspect_run_dir
+from asyncrl.cli.audit import audit_run_dir
+from asyncrl.cli.inspect import inspect_run_dir
 
 if os.environ.get("CI") != "true":  # CI installs vLLM: there the tests must run, not skip
     pytest.importorskip("vllm")

@@ -12,8 +12,8 @@ from transformers import PreTrainedTokenizerBase
 from asyncrl.core.types import PromptTicket
 from asyncrl.rollout.engine import GenerationOutput
 from asyncrl.rollout.reward_pool import RewardJob, RewardPool
+from asyncrl.tasks.examples import Example, Task
 from asyncrl.tasks.reward_calls import RewardFailure
-from asyncrl.tasks.source import Example, Task
 
 
 class RewardError(RuntimeError):

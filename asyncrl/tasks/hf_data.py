@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from asyncrl.config import ConfigError, DataConfig
-from asyncrl.tasks.source import Example, Message
+from asyncrl.tasks.examples import Example, Message
 
 FILE_BUILDERS = {
     ".jsonl": "json",

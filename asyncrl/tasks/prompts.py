@@ -9,7 +9,7 @@ from typing import Any
 from transformers import PreTrainedTokenizerBase
 
 from asyncrl.config import ConfigError
-from asyncrl.tasks.source import Example, Task
+from asyncrl.tasks.examples import Example, Task
 
 
 def prompt_ids(example: Example, tokenizer: PreTrainedTokenizerBase) -> list[int]:

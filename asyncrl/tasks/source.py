@@ -9,46 +9,11 @@ from __future__ import annotations
 
 import json
 import random
-from collections.abc import Callable
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 from asyncrl.config import ConfigError, DataConfig
+from asyncrl.tasks.examples import Example, Task
 from asyncrl.tasks.reward_calls import resolve_reward_fn
-
-Message = dict[str, str]
-
-
-@dataclass(frozen=True)
-class Example:
-    prompt: str
-    """The prompt text; for a chat example, its messages' contents (for the alphabet and
-    messages; the model sees `messages` through the chat template)."""
-    answer: str
-    origin: str
-    """Where the example came from, for error messages: `file:row` or `sort_digits[i]`."""
-    messages: tuple[Message, ...] | None = None
-    """A chat prompt: the messages the tokenizer's chat template renders."""
-
-
-@dataclass
-class Task:
-    name: str
-    examples: list[Example]
-    reward_target: str
-    """The reward function as `module:function`."""
-    reward_fn_name: str
-    """How the config names it, for messages."""
-    reward_kwargs: dict[str, Any] = field(default_factory=dict)
-
-    @property
-    def reward_fn(self) -> Callable[..., Any]:
-        return resolve_reward_fn(self.reward_target)
-
-    def alphabet(self) -> set[str]:
-        """Every character of every prompt and answer: the `tiny` preset's vocabulary."""
-        return alphabet(self.examples)
 
 
 def sort_digits_examples(
@@ -107,11 +72,6 @@ def task_examples(config: DataConfig) -> list[Example]:
     from asyncrl.tasks.hf_data import read_hf_examples  # `datasets` only when used
 
     return read_hf_examples(config, config.path, config.split)
-
-
-def alphabet(examples: list[Example]) -> set[str]:
-    """Every character of every prompt and answer: the `tiny` preset's vocabulary."""
-    return {c for e in examples for c in e.prompt + e.answer}
 
 
 def load_task(config: DataConfig) -> Task:

@@ -25,11 +25,12 @@ from asyncrl.rollout.engine import (
     check_engine,
     engine_options,
 )
+from asyncrl.rollout.evaluation import Evaluator, build_evaluator, task_reward_pool
 from asyncrl.rollout.scorer import Scorer
 from asyncrl.rollout.weight_sync import CopyWeightSync, WeightSync
+from asyncrl.tasks.examples import Task
 from asyncrl.tasks.prompts import encode_prompts
-from asyncrl.tasks.source import Task, load_task
-from asyncrl.train.evaluation import Evaluator, build_evaluator, task_reward_pool
+from asyncrl.tasks.source import load_task
 
 OnBatch = Callable[[Chunk], None]
 

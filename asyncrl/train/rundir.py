@@ -15,14 +15,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO
 
-from asyncrl.checkpoint.snapshot import FILES, check_cut, check_tensor_files, read_parts
+from asyncrl.checkpoint.run_checkpoints import run_store
+from asyncrl.checkpoint.snapshot import read_parts
 from asyncrl.checkpoint.store import (
-    CheckpointError,
     CheckpointStore,
     UnsupportedCheckpointFormat,
     Verified,
 )
-from asyncrl.config import Config, buffer_capacity
+from asyncrl.config import Config
 from asyncrl.config.keys import dump_config, resume_rule, semantic_differences
 from asyncrl.train.records import read_jsonl
 
@@ -47,24 +47,7 @@ class RunDir:
         """The run's checkpoints; "verified" includes `check_coherent`, so what a resume would
         skip is never counted as the newest by retention nor kept in the way of a save. One
         store per run dir: it remembers which checkpoints it has already judged."""
-        return CheckpointStore(self.path / "checkpoints", self.run_id, FILES, check_coherent)
-
-
-def check_coherent(verified: Verified) -> None:
-    """Raises `CheckpointError` unless a verified checkpoint's parts fit together
-    (`check_cut`, judged by the checkpoint's own config, not the new one) and its tensor files
-    are safetensors holding every tensor its state names. The one check that decides whether
-    a checkpoint is loadable: `_find_checkpoint` and retention both use it. It reads
-    `state.json` and the safetensors headers only, never the tensor data (the manifest's
-    hashes already vouch for those bytes)."""
-    parts, config = read_parts(verified)
-    try:
-        saved = config["rollout"]
-        n = int(saved["num_prompts_per_step"])
-        check_cut(parts, n, buffer_capacity(n, int(saved["max_trajectory_age_steps"])))
-    except (KeyError, TypeError, ValueError) as err:
-        raise CheckpointError(f"{verified.path}: state is malformed ({err!r})") from None
-    check_tensor_files(verified, parts)
+        return run_store(self.path, self.run_id)
 
 
 def _lock(path: Path) -> IO[str]:

@@ -34,6 +34,7 @@ import torch
 import transformers
 from tqdm import tqdm
 
+from asyncrl.checkpoint.restore import load_parts
 from asyncrl.checkpoint.snapshot import RNGState, Snapshot, Stateful, decode
 from asyncrl.checkpoint.staging import Cut, StagingArea
 from asyncrl.checkpoint.store import CheckpointError
@@ -42,17 +43,17 @@ from asyncrl.config import Config
 from asyncrl.config.keys import benign_differences, config_hash
 from asyncrl.core.buffer import tokens_per_group
 from asyncrl.core.resume import ResumePlan, plan_resume
-from asyncrl.distributed.trainer_ranks import (
+from asyncrl.faults import cut_facts, fault_point
+from asyncrl.rollout.collector import Chunk, GenerationFailed
+from asyncrl.rollout.evaluation import eval_line
+from asyncrl.train.components import build_components
+from asyncrl.train.ranks import (
     COLLECTIVE_DEATH_WAIT_S,
     RankFailed,
     RankGroup,
     launch,
     restore_templates,
 )
-from asyncrl.faults import cut_facts, fault_point
-from asyncrl.rollout.collector import Chunk, GenerationFailed
-from asyncrl.train.components import build_components
-from asyncrl.train.evaluation import eval_line
 from asyncrl.train.records import (
     RunLogs,
     latest_records,
@@ -60,8 +61,6 @@ from asyncrl.train.records import (
     step_record,
     unix_time,
 )
-from asyncrl.train.report import end_of_run_report
-from asyncrl.train.restore import load_parts
 from asyncrl.train.rundir import RunDir, open_run_dir
 from asyncrl.train.signals import Preempted, StopRequest
 
@@ -245,8 +244,8 @@ class Trainer:
 
     # --- the loop -------------------------------------------------------------------------
 
-    def run_to_end(self) -> str:
-        """Trains to `run.max_num_steps`; returns the end-of-run summary. Raises `Preempted`
+    def run_to_end(self) -> None:
+        """Trains to `run.max_num_steps` and saves the final model. Raises `Preempted`
         after writing a checkpoint if a stop signal arrived."""
         self.resume()
         self.logs.events.emit(
@@ -293,7 +292,7 @@ class Trainer:
         finally:
             self.parts.stop_generation()  # after the emergency checkpoint: waits out one batch
             progress.close()
-        return self.finish()
+        self.finish()
 
     def _wall_offset(self) -> float:
         """Wall seconds the run had spent up to the resumed step, so `wall_s` keeps counting
@@ -439,7 +438,7 @@ class Trainer:
             f"stale={record['step'] - record['generation_version_min']}"
         )
 
-    def finish(self) -> str:
+    def finish(self) -> None:
         wall_s = time.perf_counter() - self._start_s
         transformers.utils.logging.disable_progress_bar()
         model = self.parts.policy.model
@@ -450,7 +449,6 @@ class Trainer:
         self.parts.policy.tokenizer.save_pretrained(self.run_dir / "final_model")
         self.logs.events.emit("end", step=self.step, wall_s=wall_s)
         self.close()
-        return end_of_run_report(self.run_dir, self.config.logging.plot, wall_s)
 
     def close(self) -> None:
         self.logs.close()
@@ -462,19 +460,19 @@ def train(
     stop: StopRequest | None = None,
     restart: bool = False,
     force_config: bool = False,
-) -> str:
-    """Starts or resumes the run in `run_dir`; returns the end-of-run summary. With
-    `train.num_processes` > 1 this process is rank 0 and starts the others (unless torchrun
-    did)."""
+) -> None:
+    """Starts or resumes the run in `run_dir` and trains it to the end (the final checkpoint
+    and `final_model/` written). With `train.num_processes` > 1 this process is rank 0 and
+    starts the others (unless torchrun did). The summary and plots are the caller's:
+    `asyncrl.cli.report.end_of_run_report(run_dir, plot)`, as `asyncrl train` does."""
     run = open_run_dir(run_dir, config, restart=restart, force_config=force_config)
     group, graceful = None, False
     try:
         group = launch(config)
         trainer = Trainer(config, run, stop, group)
         try:
-            summary = trainer.run_to_end()
+            trainer.run_to_end()
             graceful = True
-            return summary
         except BaseException as err:
             graceful = isinstance(err, Preempted)  # the other ranks wait for a command
             with contextlib.suppress(BaseException):

@@ -15,35 +15,21 @@ interrupted export leaves no OUT that looks complete.
 
 from __future__ import annotations
 
-import json
 import os
-import re
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
-import torch
 import transformers
 
-from asyncrl.checkpoint.shards import ShardedFile, resolve_tensors
-from asyncrl.checkpoint.snapshot import (
-    FILES,
-    MODEL_FILE,
-    MODEL_PART,
-    decode,
-    format_version,
-    read_parts,
-    read_state,
-    tensor_refs,
-    unflatten,
-)
-from asyncrl.checkpoint.store import CheckpointError, CheckpointStore, Verified, step_dir_name
-from asyncrl.checkpoint.tensorfile import read_tensors
+from asyncrl.checkpoint.run_checkpoints import model_state, verified_checkpoint
+from asyncrl.checkpoint.snapshot import read_parts
+from asyncrl.checkpoint.store import Verified
 from asyncrl.config import Config, DataConfig
 from asyncrl.config.keys import build_config
 from asyncrl.models.policy import Policy, load_policy
-from asyncrl.tasks.source import alphabet, task_examples
-from asyncrl.train.rundir import check_coherent
+from asyncrl.tasks.examples import alphabet
+from asyncrl.tasks.source import task_examples
 
 
 class ExportError(RuntimeError):
@@ -57,74 +43,6 @@ class Exported:
     out: Path
     files: list[tuple[str, int]]
     """Each file written under `out` (relative name) and its size in bytes."""
-
-
-def verified_checkpoint(run_dir: Path, name: str | None = None) -> Verified:
-    """The run's newest verified checkpoint, or the one named `step_N` (`step_6` and
-    `step_000006` both name step 6), verified (its files hashed against the manifest) and
-    coherent, as a resume would judge it. Raises `ExportError` naming what exists."""
-    try:
-        run_id = json.loads((run_dir / "run.json").read_text())["run_id"]
-    except (OSError, ValueError, KeyError, TypeError):
-        raise ExportError(f"{run_dir}: not a run dir (no readable run.json)") from None
-    store = CheckpointStore(run_dir / "checkpoints", run_id, FILES, check_coherent)
-    if name is not None:
-        return _named_checkpoint(run_dir, store, name)
-    latest, rejected = store.latest()
-    if latest is None:
-        why = "".join(f"\n  rejected: {reason}" for reason in rejected)
-        raise ExportError(f"{run_dir}: no verified checkpoint to export{why}")
-    return latest
-
-
-def _verify(store: CheckpointStore, step: int, path: Path) -> Verified:
-    verified = store.verify(path, step)
-    check_coherent(verified)
-    return verified
-
-
-def _named_checkpoint(run_dir: Path, store: CheckpointStore, name: str) -> Verified:
-    match = re.fullmatch(r"step_(\d+)", name)
-    if match is None:
-        raise ExportError(f"--checkpoint: got {name!r}, must look like step_N (e.g. step_000006)")
-    wanted = int(match.group(1))
-    candidates = dict(store.candidates())
-    why = "does not exist"
-    if wanted in candidates:
-        try:
-            return _verify(store, wanted, candidates[wanted])
-        except CheckpointError as err:
-            why = f"is not verified ({err})"
-    verified = []
-    for step, path in sorted(candidates.items()):
-        try:
-            verified.append(step_dir_name(_verify(store, step, path).step))
-        except CheckpointError:
-            continue
-    listed = ", ".join(verified) or "none"
-    raise ExportError(
-        f"{run_dir}: checkpoint {step_dir_name(wanted)} {why}; verified checkpoints: {listed}"
-    )
-
-
-def model_state(verified: Verified) -> dict[str, torch.Tensor]:
-    """The checkpoint's `model` part (tied weights under each of their names), reading only
-    `state.json` and `model.safetensors` (a format-1 checkpoint is decoded whole)."""
-    if format_version(verified) == 1:
-        state: dict[str, torch.Tensor] = decode(verified).parts[MODEL_PART]
-        return state
-    parts, _ = read_parts(verified)
-    try:
-        tensors = verified.read_with(MODEL_FILE, read_tensors)
-        num_shards = int(read_state(verified).get("num_shards", 1))
-        if num_shards > 1:  # a sharded run's: every rank's rows, whole tensors
-            tree = parts[MODEL_PART]
-            source = ShardedFile(verified, MODEL_FILE, tensors, num_shards)
-            tensors = resolve_tensors(source, tree, tensor_refs(tree), None)
-        state = unflatten(parts[MODEL_PART], tensors)
-    except (KeyError, TypeError, ValueError, OSError) as err:
-        raise CheckpointError(f"{verified.path}: model unreadable ({err!r})") from None
-    return state
 
 
 def _alphabet(data: DataConfig) -> set[str]:

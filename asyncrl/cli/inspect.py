@@ -3,100 +3,102 @@ each resume policy — the seed's "what one checkpoint costs you" table, for thi
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from asyncrl.checkpoint.snapshot import FILES, decode_parts, read_parts
-from asyncrl.checkpoint.store import CheckpointStore
+from asyncrl.checkpoint.run_checkpoints import run_store
+from asyncrl.checkpoint.snapshot import decode_parts, read_parts
+from asyncrl.checkpoint.store import Verified
 from asyncrl.core.buffer import tokens_per_group
-from asyncrl.core.resume import POLICIES, SavedLedger, plan_resume
-from asyncrl.train.rundir import check_coherent
-
-
-class InspectError(RuntimeError):
-    pass
+from asyncrl.core.resume import POLICIES, ResumePolicy, SavedLedger, plan_resume
 
 
 def inspect_run_dir(run_dir: Path) -> dict[str, Any]:
-    run_json = run_dir / "run.json"
-    if not run_json.is_file():
-        raise InspectError(f"{run_dir}: not a run dir (no run.json)")
-    run_id = json.loads(run_json.read_text())["run_id"]
-    store = CheckpointStore(run_dir / "checkpoints", run_id, FILES, check_coherent)
-    latest, rejected = store.latest()
+    """The newest verified checkpoint of `run_dir`: its ledger, buffer per target, partial
+    generations, and each resume policy's cost (`asyncrl inspect --json` prints this)."""
+    latest, rejected = run_store(run_dir).latest()
     if latest is None:
         return {"run_dir": str(run_dir), "checkpoint": None, "rejected": rejected}
     parts, config = read_parts(latest)
-    n = int(config["rollout"]["num_prompts_per_step"])
-    step = int(parts["trainer"]["step"])
+    saved, samples = _saved_ledger(latest, parts, int(config["rollout"]["num_prompts_per_step"]))
+    return {
+        "run_dir": str(run_dir),
+        "checkpoint": str(latest.path),
+        "step": saved.step,
+        "num_prompts_per_step": saved.num_prompts_per_step,
+        "algorithm": config["algo"]["name"],
+        "has_critic": "critic" in parts["algorithm"],
+        "reference_sha256": parts["algorithm"].get("reference_sha256"),
+        "ledger": {
+            "trained": saved.step * saved.num_prompts_per_step,
+            "buffered": len(saved.buffered),
+            "in_flight": len(saved.in_flight),
+            "handed_out": saved.cursor,
+        },
+        "targets": _per_target(saved),
+        "in_flight_ordinals": sorted(k for k, _ in saved.in_flight),
+        "partial_tokens": {str(k): v for k, v in sorted(saved.partial_tokens.items())},
+        "partial_samples": {str(k): v for k, v in sorted(samples.items())},
+        "buffered_tokens": {str(k): v for k, v in sorted(saved.buffered_tokens.items())},
+        "buffered_ordinals": sorted(k for k, _ in saved.buffered),
+        "resume_cost": {policy: _cost(saved, policy) for policy in POLICIES},
+        "rejected": rejected,
+    }
+
+
+def _saved_ledger(
+    latest: Verified, parts: dict[str, Any], n: int
+) -> tuple[SavedLedger, dict[int, dict[str, list[Any]]]]:
+    """The checkpoint's ledger as a resume plans from it, and each in-flight ordinal's partial
+    samples (tokens so far, finished)."""
     buffered = [
         (g["ticket"]["ordinal"], g["ticket"]["target_step"]) for g in parts["buffer"]["groups"]
     ]
     in_flight = [(int(k), int(t)) for k, t in parts["ledger"]["in_flight"]]
     decoded = decode_parts(latest, ("ledger", "buffer"))
-    samples: dict[int, dict[str, list[Any]]] = {  # in-flight ordinal -> tokens so far, finished
+    samples: dict[int, dict[str, list[Any]]] = {
         int(k): {
             "lengths": [int(n) for n in torch.as_tensor(p["mask"]).sum(dim=1)],
             "finished": [bool(f) for f in torch.as_tensor(p["finished"])],
         }
         for k, p in decoded["ledger"].get("partial", {}).items()
     }
-    partial = {k: sum(v["lengths"]) for k, v in samples.items()}
     saved = SavedLedger(
-        step,
+        int(parts["trainer"]["step"]),
         n,
         int(parts["stream"]["cursor"]),
         in_flight,
         buffered,
-        partial_tokens=partial,
+        partial_tokens={k: sum(v["lengths"]) for k, v in samples.items()},
         buffered_tokens=tokens_per_group(decoded["buffer"]),
     )
-    targets = sorted({t for _, t in buffered + in_flight})
-    per_target = {
+    return saved, samples
+
+
+def _per_target(saved: SavedLedger) -> dict[str, dict[str, Any]]:
+    targets = sorted({t for _, t in saved.buffered + saved.in_flight})
+    return {
         str(t): {
-            "buffered": sum(1 for _, x in buffered if x == t),
-            "in_flight": sum(1 for _, x in in_flight if x == t),
-            "complete": sum(1 for _, x in buffered if x == t) == n,
+            "buffered": sum(1 for _, x in saved.buffered if x == t),
+            "in_flight": sum(1 for _, x in saved.in_flight if x == t),
+            "complete": sum(1 for _, x in saved.buffered if x == t) == saved.num_prompts_per_step,
         }
         for t in targets
     }
-    costs = {}
-    for policy in POLICIES:
-        plan = plan_resume(saved, policy)
-        costs[policy] = {
-            "prompts_skipped": len(plan.skipped),
-            "finished_groups_discarded": len(plan.discarded),
-            "groups_regenerated": plan.num_regenerated,
-            "groups_continued": len(plan.continued),
-            "kept_tokens": plan.kept_tokens,
-            "regenerated_tokens": plan.regenerated_tokens,
-            "messages": plan.messages,
-        }
+
+
+def _cost(saved: SavedLedger, policy: ResumePolicy) -> dict[str, Any]:
+    plan = plan_resume(saved, policy)
     return {
-        "run_dir": str(run_dir),
-        "checkpoint": str(latest.path),
-        "step": step,
-        "num_prompts_per_step": n,
-        "algorithm": config["algo"]["name"],
-        "has_critic": "critic" in parts["algorithm"],
-        "reference_sha256": parts["algorithm"].get("reference_sha256"),
-        "ledger": {
-            "trained": step * n,
-            "buffered": len(buffered),
-            "in_flight": len(in_flight),
-            "handed_out": saved.cursor,
-        },
-        "targets": per_target,
-        "in_flight_ordinals": sorted(k for k, _ in in_flight),
-        "partial_tokens": {str(k): v for k, v in sorted(partial.items())},
-        "partial_samples": {str(k): v for k, v in sorted(samples.items())},
-        "buffered_tokens": {str(k): v for k, v in sorted(saved.buffered_tokens.items())},
-        "buffered_ordinals": sorted(k for k, _ in buffered),
-        "resume_cost": costs,
-        "rejected": rejected,
+        "prompts_skipped": len(plan.skipped),
+        "finished_groups_discarded": len(plan.discarded),
+        "groups_regenerated": plan.num_regenerated,
+        "groups_continued": len(plan.continued),
+        "kept_tokens": plan.kept_tokens,
+        "regenerated_tokens": plan.regenerated_tokens,
+        "messages": plan.messages,
     }
 
 

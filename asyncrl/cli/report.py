@@ -82,13 +82,14 @@ def plot_reward_curve(records: list[dict[str, Any]], path: Path) -> None:
     plt.close(fig)
 
 
-def end_of_run_report(run_dir: Path, plot: bool, wall_s: float) -> str:
-    """The summary of a finished run from its own records, after writing its plots if `plot`."""
-    from asyncrl.plots import write_plots
+def end_of_run_report(run_dir: Path, plot: bool) -> str:
+    """The summary of a finished run from its own records, after writing its plots if `plot`
+    (`asyncrl train` prints it once `train()` returned)."""
+    from asyncrl.cli.plots import write_plots
     from asyncrl.train.records import latest_records, read_jsonl
 
     records = latest_records(read_jsonl(run_dir / "metrics.jsonl"))
     if plot and records:
         plot_reward_curve(records, run_dir / "reward_curve.png")
         write_plots(run_dir)
-    return summarize(records, run_dir, records[-1]["wall_s"] if records else wall_s)
+    return summarize(records, run_dir, records[-1]["wall_s"] if records else 0.0)

@@ -207,7 +207,7 @@ def launch(config: Config) -> RankGroup | None:
         "ASYNCRL_PARENT_PID": str(os.getpid()),
         "ASYNCRL_TRAIN_DEVICE": config.train.device,
     }
-    argv = [sys.executable, "-m", "asyncrl.distributed.trainer_ranks"]
+    argv = [sys.executable, "-m", "asyncrl.train.ranks"]
     children = [
         subprocess.Popen(argv, env={**env, "RANK": str(rank), "LOCAL_RANK": str(rank)})
         for rank in range(1, world_size)
@@ -350,7 +350,7 @@ def restore_templates(parts: dict[str, Any]) -> dict[str, Any]:
 def restore_rank(command: dict[str, Any], parts: dict[str, Any]) -> None:
     """Loads this rank's rows of the model and algorithm parts of the checkpoint rank 0 has
     verified (its files are hash-checked again as they are read)."""
-    from asyncrl.train.restore import load_parts
+    from asyncrl.checkpoint.restore import load_parts
 
     verified = Verified(
         Path(command["path"]),

@@ -87,8 +87,9 @@ def torch_device(name: str) -> Any:
 def _train(args: argparse.Namespace) -> int:
     from asyncrl.algos.update import NonFiniteLoss
     from asyncrl.checkpoint.store import CheckpointError
-    from asyncrl.distributed.trainer_ranks import RankFailed, serve, this_rank
+    from asyncrl.cli.report import end_of_run_report
     from asyncrl.rollout.collector import GenerationFailed
+    from asyncrl.train.ranks import RankFailed, serve, this_rank
     from asyncrl.train.rundir import RunDirError
     from asyncrl.train.signals import EXIT_PREEMPTED, Preempted, StopRequest
     from asyncrl.train.trainer import train
@@ -100,7 +101,7 @@ def _train(args: argparse.Namespace) -> int:
     stop.install()
     try:
         config = load_config(args.config, args.overrides)
-        summary = train(
+        train(
             config, Path(args.run_dir), stop, restart=args.restart, force_config=args.force_config
         )
     except (ConfigError, RunDirError) as err:
@@ -116,7 +117,7 @@ def _train(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return EXIT_FAILED
-    print(summary)
+    print(end_of_run_report(Path(args.run_dir), config.logging.plot))
     return EXIT_OK
 
 
@@ -124,11 +125,11 @@ def _inspect(args: argparse.Namespace) -> int:
     import json
 
     from asyncrl.checkpoint.store import CheckpointError
-    from asyncrl.inspect_run import InspectError, inspect_run_dir, render
+    from asyncrl.cli.inspect import inspect_run_dir, render
 
     try:
         info = inspect_run_dir(Path(args.run_dir))
-    except (InspectError, CheckpointError) as err:
+    except CheckpointError as err:  # not a run dir (RunCheckpointsError), a bad checkpoint
         print(f"asyncrl: error: {err}", file=sys.stderr)
         return EXIT_BAD_INPUT
     if args.json:
@@ -139,7 +140,7 @@ def _inspect(args: argparse.Namespace) -> int:
 
 
 def _audit(args: argparse.Namespace) -> int:
-    from asyncrl.audit import audit_run_dir, format_report
+    from asyncrl.cli.audit import audit_run_dir, format_report
 
     run_dir = Path(args.run_dir)
     if not (run_dir / "config.yaml").is_file():
@@ -155,7 +156,7 @@ def _plot(args: argparse.Namespace) -> int:
     if not (run_dir / "metrics.jsonl").is_file():
         print(f"asyncrl: error: {run_dir}: no metrics.jsonl to plot", file=sys.stderr)
         return EXIT_BAD_INPUT
-    from asyncrl.plots import write_plots
+    from asyncrl.cli.plots import write_plots
 
     for path in write_plots(run_dir):
         print(path)
@@ -164,7 +165,7 @@ def _plot(args: argparse.Namespace) -> int:
 
 def _export(args: argparse.Namespace) -> int:
     from asyncrl.checkpoint.store import CheckpointError
-    from asyncrl.export import ExportError, describe, export_checkpoint
+    from asyncrl.cli.export import ExportError, describe, export_checkpoint
 
     try:
         exported = export_checkpoint(Path(args.run_dir), Path(args.out), args.checkpoint)
@@ -179,8 +180,7 @@ def _eval(args: argparse.Namespace) -> int:
     import json
 
     from asyncrl.checkpoint.store import CheckpointError
-    from asyncrl.export import ExportError
-    from asyncrl.train.evaluation import evaluate_checkpoint
+    from asyncrl.cli.eval import evaluate_checkpoint
 
     bad = [o for o in args.overrides if not o.startswith("eval.")]
     if bad:
@@ -188,7 +188,7 @@ def _eval(args: argparse.Namespace) -> int:
         return EXIT_BAD_INPUT
     try:
         step, metrics = evaluate_checkpoint(Path(args.run_dir), args.checkpoint, args.overrides)
-    except (ExportError, CheckpointError, ConfigError) as err:
+    except (CheckpointError, ConfigError) as err:  # RunCheckpointsError: not a run dir
         print(f"asyncrl: error: {err}", file=sys.stderr)
         return EXIT_BAD_INPUT
     if args.json:

@@ -36,8 +36,9 @@ from asyncrl.rollout.reward_pool import RewardPool
 from asyncrl.rollout.scorer import Scored, Scorer
 from asyncrl.rollout.torch_engine import TorchGenerationEngine
 from asyncrl.rollout.weight_sync import CopyWeightSync
+from asyncrl.tasks.examples import Example, Task
 from asyncrl.tasks.prompts import encode_prompts
-from asyncrl.tasks.source import Example, Task, read_jsonl_examples, sort_digits_examples
+from asyncrl.tasks.source import read_jsonl_examples, sort_digits_examples
 
 
 def eval_examples(config: Config) -> list[Example]:
@@ -239,31 +240,3 @@ def eval_line(record: Mapping[str, float]) -> str:
         f"eval after step {record['step']}: reward={record['eval/reward_mean']:.3f} {passes}"
         f"{greedy} ({int(record['eval/num_examples'])} prompts, {record['eval/seconds']:.1f} s)"
     )
-
-
-def evaluate_checkpoint(
-    run_dir: Path, checkpoint: str | None = None, overrides: Sequence[str] = ()
-) -> tuple[int, dict[str, float]]:
-    """`asyncrl eval`: the evaluation of a verified checkpoint of `run_dir` (default: the
-    newest; `step_N` names one) with the run's config (`run_dir/config.yaml`, its `eval.*`
-    settings changed by `overrides`), on the policy the checkpoint saved. Returns the step it
-    was saved after and the `eval/...` metrics. Raises `ExportError` / `ConfigError` naming
-    what is missing."""
-    from asyncrl.config.keys import load_config
-    from asyncrl.export import ExportError, checkpoint_policy, verified_checkpoint
-    from asyncrl.tasks.source import load_task
-
-    if not (run_dir / "config.yaml").is_file():
-        raise ExportError(f"{run_dir}: not a run dir (no config.yaml)")
-    config = load_config(run_dir / "config.yaml", list(overrides))
-    if config.run.torch_threads:  # as the run evaluated: the same float reduction order
-        torch.set_num_threads(config.run.torch_threads)
-    verified = verified_checkpoint(run_dir, checkpoint)
-    policy, _ = checkpoint_policy(verified)
-    task = load_task(config.data)
-    pool = task_reward_pool(task, config.rollout)
-    try:
-        evaluator = build_evaluator(config, policy, task, pool)
-        return verified.step, evaluator.evaluate(verified.step, policy.model.state_dict())
-    finally:
-        pool.close()
