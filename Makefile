@@ -77,7 +77,7 @@ chaos: setup
 	$(BIN)/python benchmarks/chaos.py --trials 200
 
 docs: setup
-	$(BIN)/python scripts/update_readme.py
+	$(BIN)/python scripts/update_docs.py
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache .mypy_cache .ruff_cache

@@ -8,9 +8,10 @@ import torch
 from helpers import read_records, small_config, train_and_report
 
 from asyncrl.algos import algorithm_class
+from asyncrl.core.seeds import noise_seed
 from asyncrl.core.stream import PromptStream
 from asyncrl.models.policy import load_policy
-from asyncrl.rollout.collector import make_group, noise_seed
+from asyncrl.rollout.collector import make_group
 from asyncrl.rollout.engine import EngineSpec, GenerationRequest
 from asyncrl.rollout.scorer import Scorer
 from asyncrl.rollout.torch_engine import TorchGenerationEngine

@@ -25,7 +25,7 @@ def build_parser() -> argparse.ArgumentParser:
         prog="asyncrl", description="Asynchronous RL post-training for language models."
     )
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    train = commands.add_parser("train", help="start or resume a run (async GRPO or PPO)")
+    train = commands.add_parser("train", help="start or resume a run (async GRPO, RLOO or PPO)")
     train.add_argument("config", help="YAML config file, e.g. configs/demo.yaml")
     train.add_argument("--run-dir", required=True, help="directory for the run's files")
     train.add_argument(

@@ -1,7 +1,7 @@
 """The flat `section.key` surface of the config schema (`asyncrl.config`): every key, loading
 from YAML with dotted overrides (an unknown key names the nearest known keys, a bad value names
-the key and what is allowed), what a resume may change, the config hash, and the README's
-config reference generated from the field docstrings.
+the key and what is allowed), what a resume may change, the config hash, and the config
+reference (docs/config.md) generated from the field docstrings.
 """
 
 from __future__ import annotations
@@ -315,7 +315,7 @@ def dump_config(config: Config) -> str:
 
 
 def reference_markdown() -> str:
-    """The README's config reference: one table row per key, from the field docstrings; an
+    """The config reference (docs/config.md): one table row per key, from the field docstrings; an
     algorithm's own keys say which algorithm they belong to."""
     rows = ["| key | default | meaning |", "| --- | --- | --- |"]
     defaults = Config().to_dict()

@@ -1,7 +1,7 @@
 """Typed configuration: the schema, one dataclass per section, each validating its values.
 
-Each field's docstring (the string literal under it) is its only documentation; the README's
-config reference is generated from them (`make docs`). Each field's metadata
+Each field's docstring (the string literal under it) is its only documentation; the config
+reference (docs/config.md) is generated from them (`make docs`). Each field's metadata
 says what a resume may do with it. Loading from YAML with dotted overrides, the flat
 `section.key` surface, resume comparisons and the reference live in `asyncrl.config.keys`;
 the algorithms' own keys in `asyncrl.config.algos`.
@@ -357,7 +357,7 @@ class CheckpointConfig:
     )
     """What a resume does with the checkpoint's in-flight and short targets: `lossless` re-
     dispatches in-flight prompts; `keep_incomplete` and `drop_incomplete` reproduce NeMo RL's
-    lossy resumes (see the README)."""
+    lossy resumes (docs/checkpoint.md)."""
     staging_buffer: Literal["auto", "keep", "release"] = field(default="auto", metadata=MAY_CHANGE)
     """The one CPU copy a save stages the state into (~12 bytes per parameter with AdamW):
     `keep` reuses it from save to save (no allocation after the first save, but held for the

@@ -47,6 +47,9 @@ class ObjectStoreWeightSync:
     def get(self, version: int) -> Any:
         return self._kept.get(version)
 
+    def has(self, version: int) -> bool:
+        return self._kept.has(version)
+
     def state_dict(self) -> dict[str, Any]:
         return self._kept.state_dict()
 

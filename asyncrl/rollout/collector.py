@@ -17,7 +17,6 @@ obeys the bound).
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -28,6 +27,7 @@ import torch
 from asyncrl.core.buffer import Buffer
 from asyncrl.core.ledger import Ledger
 from asyncrl.core.partial import Partial
+from asyncrl.core.seeds import noise_seed
 from asyncrl.core.types import Group, PromptTicket
 from asyncrl.faults import fault_point
 from asyncrl.rollout.engine import GenerationEngine, GenerationOutput, GenerationRequest
@@ -38,13 +38,6 @@ from asyncrl.rollout.weight_sync import WeightSource
 class GenerationFailed(RuntimeError):
     """Generation failed `rollout.max_generation_failures` times in a row, or can never complete
     a step; the cause is chained."""
-
-
-def noise_seed(seed: int, ordinal: int) -> int:
-    """The sampling seed of one group: a function of (run seed, ordinal) only, so a group
-    regenerated after a resume draws the same noise."""
-    digest = hashlib.sha256(f"asyncrl-noise:{seed}:{ordinal}".encode()).digest()
-    return int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)
 
 
 def make_group(
@@ -293,19 +286,12 @@ class Collector:
         version = int(partial.versions[partial.mask].max())  # a continued sample keeps its weights
         # unless they are no longer kept (a run resumed with chunking or pinning switched off):
         # then it is finished on the newest, each token keeping its own version
-        return version if self._kept(version) else self._newest()
+        return version if self.weights is None or self.weights.has(version) else self._newest()
 
     def _newest(self) -> int | None:
-        return None if self.weights is None else self.weights.newest()
-
-    def _kept(self, version: int) -> bool:
-        if self.weights is None:
-            return True
-        try:
-            self.weights.get(version)
-        except KeyError:
-            return False
-        return True
+        """The newest published version, as `publish_version` announced it (None without
+        `weights`: the engine's newest)."""
+        return None if self.weights is None else self._version
 
     def _chunk(
         self, tickets: list[PromptTicket], partials: dict[int, Partial], version: int | None

@@ -18,7 +18,6 @@ samples count 0 and do not pass), `eval/num_examples`, `eval/seconds`.
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import time
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
@@ -28,6 +27,7 @@ import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from asyncrl.config import Config, ConfigError, RolloutConfig
+from asyncrl.core.seeds import eval_seed
 from asyncrl.core.types import PromptTicket
 from asyncrl.models.device import DTYPES
 from asyncrl.models.policy import Policy
@@ -75,12 +75,6 @@ def eval_examples(config: Config) -> list[Example]:
             )
         return read_hf_examples(data, data.path, ev.split, "eval.split", limit)
     return examples[:limit] if limit else examples
-
-
-def eval_seed(seed: int, index: int) -> int:
-    """The noise seed of evaluation prompt `index`: apart from every training group's."""
-    digest = hashlib.sha256(f"asyncrl-eval:{seed}:{index}".encode()).digest()
-    return int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)
 
 
 @dataclass

@@ -23,7 +23,6 @@ a request's logits with the batch it lands in, so its samples are not batch-inva
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import os
@@ -38,6 +37,7 @@ from typing import Any, ClassVar
 import numpy as np
 import torch
 
+from asyncrl.core.seeds import continued_seed
 from asyncrl.faults import fault_point
 from asyncrl.rollout.engine import (
     EngineCapabilities,
@@ -49,13 +49,6 @@ from asyncrl.rollout.weight_sync import WeightSource, weights_to_load
 
 _INIT_LOCK = threading.Lock()
 """vLLM's start-up patches process-wide state (environment, `torch.set_num_threads`)."""
-
-
-def continued_seed(noise_seed: int, sample: int, done: int) -> int:
-    """The seed of sample `sample` continued after `done` tokens: a function of the group's
-    seed and the cut, so a continued sample draws the same noise wherever it is resumed."""
-    digest = hashlib.sha256(f"asyncrl-continued:{noise_seed}:{sample}:{done}".encode()).digest()
-    return int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)
 
 
 class VLLMGenerationEngine:

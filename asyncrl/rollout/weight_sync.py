@@ -35,6 +35,10 @@ class WeightSource(Protocol):
         reference on Ray). Raises `KeyError` naming the kept versions if it is gone."""
         ...
 
+    def has(self, version: int) -> bool:
+        """Whether weights `version` are still kept."""
+        ...
+
 
 def weights_to_load(
     source: WeightSource, version: int | None, loaded: int | None
@@ -93,6 +97,10 @@ class KeptVersions:
                 )
             return self._entries[version]
 
+    def has(self, version: int) -> bool:
+        with self._lock:
+            return version in self._entries
+
     def state_dict(self) -> dict[str, Any]:
         """Every kept version older than the newest: `{"versions": {version: weights}}`."""
         with self._lock:
@@ -127,11 +135,7 @@ class CopyWeightSync:
         return weights
 
     def has(self, version: int) -> bool:
-        try:
-            self._kept.get(version)
-        except KeyError:
-            return False
-        return True
+        return self._kept.has(version)
 
     def state_dict(self) -> dict[str, Any]:
         return self._kept.state_dict()
