@@ -86,7 +86,6 @@ class GRPO:
         self.optimizer.zero_grad(set_to_none=True)
         lr = self.schedule.start(step)
         loss_total, stats = 0.0, StepStats()
-        tis_cap = getattr(self.config.options, "mismatch_tis_cap", 0.0)
         trainer_logprobs: list[tuple[slice, torch.Tensor]] = []
         ranks, check = self.ranks, self.ranks.world_size == 1
         for micro in rank_micro_batches(
@@ -94,53 +93,15 @@ class GRPO:
         ):
             rows = micro.rows
             part = select(batch, rows)
-            part_mask = part["completion_mask"]
-            with autocast(self.device, self.dtype):
-                ref_logprobs = (
-                    self.reference.logprobs(part, self.temperature, self.pad_id)
-                    if self.reference is not None
-                    else None
-                )
-                logprobs, entropy = batch_logprobs(
-                    self.model,
-                    part,
-                    self.temperature,
-                    self.pad_id,
-                    entropy_grad=self.config.entropy_coef > 0,
-                    shared_prompts=self.shared_prompts,
-                )
-            anchor, is_weights = part["behaviour_logprobs"], None
-            is_stats: dict[str, float] = {}
-            if tis_cap > 0:  # the weights are those before the step until apply_gradients
-                anchor = logprobs.detach()
-                is_weights, is_stats = truncated_is_weights(
-                    anchor, part["behaviour_logprobs"], part_mask, tis_cap
-                )
-            loss, loss_stats = self.loss_fn(
-                logprobs,
-                anchor,
-                advantages[rows],
-                part_mask,
-                is_weights,
-                normaliser=normaliser,
-                token_weights=weights[rows],
-            )
-            loss, extra = regularise(
-                loss,
-                logprobs,
-                entropy,
-                ref_logprobs,
-                part_mask,
-                self.config,
-                normaliser,
-                weights[rows],
+            loss, logprobs, part_stats = self._micro_loss(
+                part, advantages[rows], weights[rows], normaliser
             )
             if not micro.real:  # a stand-in: the passes' collectives, no gradient
                 backward(loss * 0.0, check=check)
                 continue
             trainer_logprobs.append((rows, logprobs.detach()))
             loss_total += backward(loss, check=check)
-            stats.add({**loss_stats, **is_stats, **extra}, float(part_mask.sum()))
+            stats.add(part_stats, float(part["completion_mask"].sum()))
         (loss_total,) = ranks.sum([loss_total])
         stats = stats.gathered(ranks.gather(stats.parts))
         all_logprobs = ranks.assemble(trainer_logprobs, len(mask), batch["behaviour_logprobs"])
@@ -166,6 +127,60 @@ class GRPO:
                 batch["token_versions"] == step,  # the trainer holds version `step`
             ),
         }
+
+    def _micro_loss(
+        self,
+        part: dict[str, Any],
+        advantages: torch.Tensor,
+        token_weights: torch.Tensor,
+        normaliser: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor, dict[str, float]]:
+        """One micro-batch's loss: the clipped surrogate (against the trainer's own log-probs,
+        with truncated importance weights, when `mismatch_tis_cap` is set), plus the KL and
+        entropy terms; with its log-probs and its statistics."""
+        part_mask = part["completion_mask"]
+        tis_cap = getattr(self.config.options, "mismatch_tis_cap", 0.0)
+        with autocast(self.device, self.dtype):
+            ref_logprobs = (
+                self.reference.logprobs(part, self.temperature, self.pad_id)
+                if self.reference is not None
+                else None
+            )
+            logprobs, entropy = batch_logprobs(
+                self.model,
+                part,
+                self.temperature,
+                self.pad_id,
+                entropy_grad=self.config.entropy_coef > 0,
+                shared_prompts=self.shared_prompts,
+            )
+        anchor, is_weights = part["behaviour_logprobs"], None
+        is_stats: dict[str, float] = {}
+        if tis_cap > 0:  # the weights are those before the step until apply_gradients
+            anchor = logprobs.detach()
+            is_weights, is_stats = truncated_is_weights(
+                anchor, part["behaviour_logprobs"], part_mask, tis_cap
+            )
+        loss, loss_stats = self.loss_fn(
+            logprobs,
+            anchor,
+            advantages,
+            part_mask,
+            is_weights,
+            normaliser=normaliser,
+            token_weights=token_weights,
+        )
+        loss, extra = regularise(
+            loss,
+            logprobs,
+            entropy,
+            ref_logprobs,
+            part_mask,
+            self.config,
+            normaliser,
+            token_weights,
+        )
+        return loss, logprobs, {**loss_stats, **is_stats, **extra}
 
     def policy_weights(self) -> dict[str, torch.Tensor]:
         return self.ranks.full_weights(self.model)

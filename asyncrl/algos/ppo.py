@@ -18,6 +18,7 @@ One training step, on the step's N*G samples:
 from __future__ import annotations
 
 from collections import defaultdict
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import numpy as np
@@ -71,6 +72,38 @@ def minibatches(
     entropy = int(np.random.SeedSequence([seed, step, epoch]).generate_state(1)[0])
     order = torch.randperm(num_samples, generator=torch.Generator().manual_seed(entropy))
     return list(order.tensor_split(num_minibatches))
+
+
+_Reused = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
+"""(values, log-probs, entropy) of the one forward pass a `reuse_forward` step differentiates."""
+
+
+@dataclass
+class _StepInputs:
+    """What every update of one step reads, computed once before the first."""
+
+    batch: dict[str, Any]
+    old_logprobs: torch.Tensor
+    old_values: torch.Tensor
+    ref: torch.Tensor | None
+    advantages: torch.Tensor
+    returns: torch.Tensor
+    is_weights: torch.Tensor
+    reuse: _Reused | None
+    train_policy: bool
+
+
+@dataclass
+class _Minibatch:
+    batch: dict[str, Any]
+    """The minibatch's rows of the step's batch."""
+    rows: torch.Tensor
+    """Their indices in the step's batch."""
+    weights: torch.Tensor
+    normaliser: torch.Tensor
+    value_normaliser: torch.Tensor
+    """The policy loss's weights and normaliser (`algo.loss_aggregation`), the value loss's
+    (its real tokens)."""
 
 
 class PPO:
@@ -199,27 +232,7 @@ class PPO:
         self.critic.train()
         train_policy = step >= opt.critic_warmup_steps
         lr, critic_lr = self.schedule.start(step), self.critic_schedule.start(step)
-        ranks, check = self.ranks, self.ranks.world_size == 1
-        slices = rank_micro_batches(len(mask), self.micro_batch_size, ranks.rank, ranks.world_size)
-        reuse: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
-        ref: torch.Tensor | None = None
-        if (
-            self.reuse_forward
-            and opt.ppo_epochs == 1
-            and opt.num_minibatches == 1
-            and len(slices) == 1
-            and ranks.world_size == 1
-        ):
-            values = self._values(batch)
-            with torch.set_grad_enabled(train_policy):
-                logprobs, entropy = self._logprobs(batch)
-            reuse = values, logprobs, entropy
-            old_values, old_logprobs = values.detach(), logprobs.detach()
-            if self.reference is not None:
-                with torch.no_grad():
-                    ref = self._reference(batch)
-        else:
-            old_logprobs, old_values, ref = self._no_grad_pass(batch, slices)
+        old_logprobs, old_values, ref, reuse = self._proximal_pass(batch, train_policy)
         penalty = None
         if ref is not None and opt.kl_in_reward:
             penalty = cfg.kl_coef * kl_estimate(old_logprobs, ref, cfg.kl_estimator)
@@ -235,79 +248,14 @@ class PPO:
         is_weights, is_stats = truncated_is_weights(
             old_logprobs, batch["behaviour_logprobs"], mask, opt.tis_cap
         )
+        inputs = _StepInputs(
+            batch, old_logprobs, old_values, ref, advantages, returns, is_weights, reuse,
+            train_policy,
+        )  # fmt: skip
         totals: dict[str, list[float]] = defaultdict(list)
         for epoch in range(opt.ppo_epochs):
             for rows in minibatches(len(mask), opt.num_minibatches, self.seed, step, epoch):
-                minibatch = select(batch, rows)
-                value_normaliser = normaliser_of(minibatch["completion_mask"])  # its tokens
-                weights, normaliser = loss_weights(
-                    minibatch["completion_mask"], cfg.loss_aggregation, self.max_new_tokens
-                )
-                self.critic_optimizer.zero_grad(set_to_none=True)
-                self.optimizer.zero_grad(set_to_none=True)
-                losses = {"loss": 0.0, "value_loss": 0.0, "policy_loss": 0.0}
-                stats = StepStats()
-                for micro_batch in rank_micro_batches(
-                    len(rows), self.micro_batch_size, ranks.rank, ranks.world_size
-                ):
-                    micro = micro_batch.rows
-                    part, part_rows = select(minibatch, micro), rows[micro]
-                    part_mask = part["completion_mask"]
-                    scale = 1.0 if micro_batch.real else 0.0  # a stand-in: no gradient
-                    values = reuse[0] if reuse else self._values(part)
-                    value_loss, value_stats = self.value_loss(
-                        values,
-                        old_values[part_rows],
-                        returns[part_rows],
-                        part_mask,
-                        value_normaliser,
-                    )
-                    losses["value_loss"] += backward(value_loss * scale, "value loss", check)
-                    with torch.set_grad_enabled(train_policy):
-                        logprobs, entropy = reuse[1:] if reuse else self._logprobs(part)
-                        loss, policy_stats = self.policy_loss(
-                            logprobs,
-                            old_logprobs[part_rows],
-                            advantages[part_rows],
-                            part_mask,
-                            is_weights[part_rows],
-                            normaliser,
-                            weights[micro],
-                        )
-                        losses["policy_loss"] += loss.item() * scale
-                        use_ref = (
-                            ref[part_rows] if ref is not None and not opt.kl_in_reward else None
-                        )
-                        loss, extra = regularise(
-                            loss,
-                            logprobs,
-                            entropy,
-                            use_ref,
-                            part_mask,
-                            cfg,
-                            normaliser,
-                            weights[micro],
-                        )
-                    loss = loss * scale  # x 1.0 is exact: one rank trains the same bits
-                    losses["loss"] += backward(loss, check=check) if train_policy else loss.item()
-                    if scale:
-                        stats.add({**value_stats, **policy_stats, **extra}, float(part_mask.sum()))
-                summed = ranks.sum(list(losses.values()))
-                losses = dict(zip(losses, summed, strict=True))
-                stats = stats.gathered(ranks.gather(stats.parts))
-                totals["critic_grad_norm"].append(
-                    apply_gradients(
-                        self.critic_optimizer,
-                        self.critic.parameters(),
-                        cfg.max_grad_norm,
-                        what="value loss",
-                    )
-                )
-                if train_policy:
-                    totals["grad_norm"].append(
-                        apply_gradients(self.optimizer, self.model.parameters(), cfg.max_grad_norm)
-                    )
-                for key, value in {**losses, **stats.result()}.items():
+                for key, value in self._update(inputs, rows).items():
                     totals[key].append(value)
         self.schedule.advance()
         self.critic_schedule.advance()
@@ -336,3 +284,125 @@ class PPO:
                 old_logprobs, batch["behaviour_logprobs"], mask, batch["token_versions"] == step
             ),
         }
+
+    def _proximal_pass(
+        self, batch: dict[str, Any], train_policy: bool
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, _Reused | None]:
+        """pi_old, V_old and the reference log-probs of the step's samples. With one update of
+        one micro-batch on one rank (`reuse_forward`), taken from the forward passes the losses
+        will differentiate (returned as `reused`), else from no-grad passes."""
+        opt, ranks = self.options, self.ranks
+        num_rows = len(batch["completion_mask"])
+        slices = rank_micro_batches(num_rows, self.micro_batch_size, ranks.rank, ranks.world_size)
+        if not (
+            self.reuse_forward
+            and opt.ppo_epochs == 1
+            and opt.num_minibatches == 1
+            and len(slices) == 1
+            and ranks.world_size == 1
+        ):
+            old_logprobs, old_values, ref = self._no_grad_pass(batch, slices)
+            return old_logprobs, old_values, ref, None
+        values = self._values(batch)
+        with torch.set_grad_enabled(train_policy):
+            logprobs, entropy = self._logprobs(batch)
+        ref = None
+        if self.reference is not None:
+            with torch.no_grad():
+                ref = self._reference(batch)
+        return logprobs.detach(), values.detach(), ref, (values, logprobs, entropy)
+
+    def _update(self, inputs: _StepInputs, rows: torch.Tensor) -> dict[str, float]:
+        """One optimizer step of the critic (and of the policy past warm-up) on the minibatch
+        `rows`, its gradients accumulated over this rank's micro-batches and summed over the
+        ranks; returns the update's gradient norms, losses and statistics."""
+        cfg, ranks = self.config, self.ranks
+        batch = select(inputs.batch, rows)
+        weights, normaliser = loss_weights(
+            batch["completion_mask"], cfg.loss_aggregation, self.max_new_tokens
+        )
+        minibatch = _Minibatch(
+            batch, rows, weights, normaliser, normaliser_of(batch["completion_mask"])
+        )
+        self.critic_optimizer.zero_grad(set_to_none=True)
+        self.optimizer.zero_grad(set_to_none=True)
+        losses = {"loss": 0.0, "value_loss": 0.0, "policy_loss": 0.0}
+        stats = StepStats()
+        for micro_batch in rank_micro_batches(
+            len(rows), self.micro_batch_size, ranks.rank, ranks.world_size
+        ):
+            self._micro_step(inputs, minibatch, micro_batch, losses, stats)
+        summed = ranks.sum(list(losses.values()))
+        losses = dict(zip(losses, summed, strict=True))
+        stats = stats.gathered(ranks.gather(stats.parts))
+        norms = {
+            "critic_grad_norm": apply_gradients(
+                self.critic_optimizer,
+                self.critic.parameters(),
+                cfg.max_grad_norm,
+                what="value loss",
+            )
+        }
+        if inputs.train_policy:
+            norms["grad_norm"] = apply_gradients(
+                self.optimizer, self.model.parameters(), cfg.max_grad_norm
+            )
+        return {**norms, **losses, **stats.result()}
+
+    def _micro_step(
+        self,
+        inputs: _StepInputs,
+        minibatch: _Minibatch,
+        micro_batch: MicroBatch,
+        losses: dict[str, float],
+        stats: StepStats,
+    ) -> None:
+        """The value and policy losses of one micro-batch, back-propagated (a stand-in
+        micro-batch of a rank with fewer rows is scaled by 0: it only joins the collectives);
+        its losses are added to `losses` and its statistics to `stats`."""
+        cfg, opt, check = self.config, self.options, self.ranks.world_size == 1
+        micro = micro_batch.rows
+        part, part_rows = select(minibatch.batch, micro), minibatch.rows[micro]
+        part_mask = part["completion_mask"]
+        scale = 1.0 if micro_batch.real else 0.0  # a stand-in: no gradient
+        reuse = inputs.reuse
+        values = reuse[0] if reuse else self._values(part)
+        value_loss, value_stats = self.value_loss(
+            values,
+            inputs.old_values[part_rows],
+            inputs.returns[part_rows],
+            part_mask,
+            minibatch.value_normaliser,
+        )
+        losses["value_loss"] += backward(value_loss * scale, "value loss", check)
+        with torch.set_grad_enabled(inputs.train_policy):
+            logprobs, entropy = reuse[1:] if reuse else self._logprobs(part)
+            loss, policy_stats = self.policy_loss(
+                logprobs,
+                inputs.old_logprobs[part_rows],
+                inputs.advantages[part_rows],
+                part_mask,
+                inputs.is_weights[part_rows],
+                minibatch.normaliser,
+                minibatch.weights[micro],
+            )
+            losses["policy_loss"] += loss.item() * scale
+            ref = inputs.ref
+            use_ref = ref[part_rows] if ref is not None and not opt.kl_in_reward else None
+            loss, extra = regularise(
+                loss,
+                logprobs,
+                entropy,
+                use_ref,
+                part_mask,
+                cfg,
+                minibatch.normaliser,
+                minibatch.weights[micro],
+            )
+        loss = loss * scale  # x 1.0 is exact: one rank trains the same bits
+        if inputs.train_policy:
+            losses["loss"] += backward(loss, check=check)
+        else:
+            losses["loss"] += loss.item()
+        if scale:
+            stats.add({**value_stats, **policy_stats, **extra}, float(part_mask.sum()))

@@ -33,6 +33,17 @@ class GenerationRequest:
     finished: tuple[bool, ...] = ()
     """Per sample, with `prefixes`: already finished, so nothing more is generated for it."""
 
+    def done_before(self, max_new_tokens: int) -> list[bool]:
+        """Per sample: nothing to generate in this call, because it finished, or its prefix
+        already holds `max_new_tokens` (lowered on a forced resume). Every engine's rule."""
+        if not self.prefixes:
+            return [False] * self.num_samples
+        finished = self.finished or (False,) * self.num_samples
+        return [
+            bool(finished[i]) or len(self.prefixes[i]) >= max_new_tokens
+            for i in range(self.num_samples)
+        ]
+
 
 @dataclass
 class GenerationOutput:

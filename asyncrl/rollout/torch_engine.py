@@ -129,15 +129,9 @@ class TorchGenerationEngine:
             ]
         )  # drawn on the CPU: the same noise on every device
         done_before = torch.tensor(
-            [
-                bool(r.finished[i]) or len(r.prefixes[i]) >= self.max_new_tokens
-                if r.prefixes
-                else False
-                for r in requests
-                for i in range(r.num_samples)
-            ],
+            [done for r in requests for done in r.done_before(self.max_new_tokens)],
             dtype=torch.bool,
-        )  # a prefix already at max_new_tokens (lowered on a forced resume) is finished
+        )
         rows = torch.nonzero(~done_before).squeeze(-1)
         continued = any(r.prefixes for r in requests)
         tokens = torch.full((len(done_before), 0), self.pad_id, dtype=torch.int64)

@@ -153,8 +153,7 @@ class VLLMGenerationEngine:
         for index, request in enumerate(requests):
             g = request.num_samples
             prefixes = request.prefixes or tuple(() for _ in range(g))
-            finished = request.finished or tuple(False for _ in range(g))
-            done = [bool(finished[i]) or len(prefixes[i]) >= self.max_new_tokens for i in range(g)]
+            done = request.done_before(self.max_new_tokens)
             done_before.append(done)
             if not request.prefixes:
                 budget = min(max_tokens or self.max_new_tokens, self.max_new_tokens)

@@ -103,30 +103,10 @@ def build_components(
     if rollout.backend == "threads":  # on Ray the device is the workers' (checked there)
         resolve_device("rollout.device", rollout.device)
     task, policy, build_algorithm = build_trainer_side(config, ranks, device)
-    prompts = encode_prompts(task, policy.tokenizer, rollout.max_new_tokens, policy.max_seq_len)
     stream = PromptStream(len(task.examples), rollout.num_prompts_per_step, config.run.seed)
     ledger = Ledger(stream)
-    spec = EngineSpec(
-        policy.model,
-        policy.eos_id,
-        policy.pad_id,
-        rollout.max_new_tokens,
-        rollout.temperature,
-        rollout.device,
-        rollout.dtype,
-        keep_cache_between_chunks=not config.run.deterministic,
-        options=engine_options(config),
-    )
     shutdown: list[Callable[[], None]] = []
-    buffer: Buffer
-    weights: WeightSync
-    engine: GenerationEngine
-    if rollout.backend == "ray":
-        buffer, weights, engine = _ray_backend(config, spec, shutdown)
-    else:
-        buffer = ReplayBuffer(rollout.num_prompts_per_step, rollout.buffer_capacity)
-        weights = CopyWeightSync(config.kept_weight_versions, rollout.device, DTYPES[rollout.dtype])
-        engine = build_engine(rollout.engine, spec, weights)
+    buffer, weights, engine = _generation_backend(config, _engine_spec(config, policy), shutdown)
     pool = task_reward_pool(task, rollout)
     shutdown.append(pool.close)
     try:
@@ -141,7 +121,7 @@ def build_components(
         ledger=ledger,
         buffer=buffer,
         engine=engine,
-        prompts=prompts,
+        prompts=encode_prompts(task, policy.tokenizer, rollout.max_new_tokens, policy.max_seq_len),
         scorer=scorer.score,
         num_generations=rollout.num_generations_per_prompt,
         window=rollout.max_trajectory_age_steps,
@@ -157,19 +137,37 @@ def build_components(
         weights=weights,
     )
     return Components(
-        policy,
-        task,
-        stream,
-        ledger,
-        buffer,
-        weights,
-        engine,
-        collector,
-        algo,
-        scorer,
-        shutdown,
+        policy, task, stream, ledger, buffer, weights, engine, collector, algo, scorer, shutdown,
         evaluator,
+    )  # fmt: skip
+
+
+def _engine_spec(config: Config, policy: Policy) -> EngineSpec:
+    rollout = config.rollout
+    return EngineSpec(
+        policy.model,
+        policy.eos_id,
+        policy.pad_id,
+        rollout.max_new_tokens,
+        rollout.temperature,
+        rollout.device,
+        rollout.dtype,
+        keep_cache_between_chunks=not config.run.deterministic,
+        options=engine_options(config),
     )
+
+
+def _generation_backend(
+    config: Config, spec: EngineSpec, shutdown: list[Callable[[], None]]
+) -> tuple[Buffer, WeightSync, GenerationEngine]:
+    """The buffer, the weight sync and the engine of `rollout.backend`: in this process
+    (`threads`), or on Ray (what it starts is added to `shutdown`)."""
+    rollout = config.rollout
+    if rollout.backend == "ray":
+        return _ray_backend(config, spec, shutdown)
+    buffer = ReplayBuffer(rollout.num_prompts_per_step, rollout.buffer_capacity)
+    weights = CopyWeightSync(config.kept_weight_versions, rollout.device, DTYPES[rollout.dtype])
+    return buffer, weights, build_engine(rollout.engine, spec, weights)
 
 
 def _ray_backend(

@@ -12,11 +12,14 @@ import sys
 import threading
 import time
 from pathlib import Path
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from asyncrl.config import LoggingConfig
 from asyncrl.core.types import Group
 from asyncrl.train.trackers import MlflowSink, WandbSink
+
+if TYPE_CHECKING:
+    from asyncrl.rollout.collector import Chunk
 
 
 class MetricsSink(Protocol):
@@ -108,6 +111,22 @@ def unix_time(perf_s: float) -> float:
     process: spans of one launch keep perf_counter's exact order (no jitter from reading two
     clocks per span), and spans of different launches share the Unix clock."""
     return perf_s + _UNIX_OFFSET_S
+
+
+def generation_span(chunk: Chunk, attempt: int) -> dict[str, Any]:
+    """The `timeline.jsonl` row of one engine call (a batch, or one chunk of it)."""
+    return {
+        "kind": "generate",
+        "start": unix_time(chunk.start),
+        "seconds": chunk.seconds,
+        "version": chunk.version,
+        "attempt": attempt,
+        "ordinals": [t.ordinal for t in chunk.tickets],
+        "targets": [t.target_step for t in chunk.tickets],
+        "token_starts": chunk.token_starts,
+        "token_counts": chunk.token_counts,
+        "landed": chunk.landed,
+    }
 
 
 def tokens_digest(groups: list[Group]) -> str:

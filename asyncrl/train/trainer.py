@@ -37,7 +37,7 @@ from tqdm import tqdm
 from asyncrl.checkpoint.restore import load_parts
 from asyncrl.checkpoint.snapshot import RNGState, Snapshot, Stateful, decode
 from asyncrl.checkpoint.staging import Cut, StagingArea
-from asyncrl.checkpoint.store import CheckpointError
+from asyncrl.checkpoint.store import CheckpointError, Verified
 from asyncrl.checkpoint.writer import CheckpointWriter
 from asyncrl.config import Config
 from asyncrl.config.keys import benign_differences, config_hash
@@ -56,6 +56,7 @@ from asyncrl.train.ranks import (
 )
 from asyncrl.train.records import (
     RunLogs,
+    generation_span,
     latest_records,
     read_jsonl,
     step_record,
@@ -189,25 +190,35 @@ class Trainer:
                 print(f"asyncrl: no verified checkpoint; from step 0 (attempt {self.attempt})")
             return
         start = time.perf_counter()
-        latest, templates = self.run.latest, None
-        if self.group is not None:  # every rank loads its own rows, at the same time
-            self.group.command(
-                "restore",
-                path=str(latest.path),
-                step=latest.step,
-                manifest=latest.manifest,
-                format_version=latest.format_version,
-                manifest_sha256=latest.manifest_sha256,
-            )
-            parts = {"model": self.parts.policy.model, "algorithm": self.parts.algo}
-            templates = restore_templates(parts)
-        # the only read of its tensors; dropped below (one rank: the one-process call)
-        snapshot = decode(latest, templates) if templates else decode(latest)
+        snapshot = self._decode_latest(self.run.latest)
         cursor = int(snapshot.parts["stream"]["cursor"])
         saved_config = snapshot.config
         plan = self.restore(snapshot)
         del snapshot  # the restored parts own their state now: no second copy stays
-        load_s = time.perf_counter() - start
+        self._record_resume(plan, cursor, saved_config, time.perf_counter() - start)
+
+    def _decode_latest(self, latest: Verified) -> Snapshot:
+        """The checkpoint's parts: the only read of its tensors (with ranks, every rank reads
+        its own rows at the same time and rank 0 only what it restores itself)."""
+        if self.group is None:
+            return decode(latest)  # the one-process call, exactly as before ranks
+        self.group.command(
+            "restore",
+            path=str(latest.path),
+            step=latest.step,
+            manifest=latest.manifest,
+            format_version=latest.format_version,
+            manifest_sha256=latest.manifest_sha256,
+        )
+        templates = restore_templates(
+            {"model": self.parts.policy.model, "algorithm": self.parts.algo}
+        )
+        return decode(latest, templates) if templates else decode(latest)
+
+    def _record_resume(
+        self, plan: ResumePlan, cursor: int, saved_config: dict[str, Any], load_s: float
+    ) -> None:
+        """The `resume` event and the one-line report of what the resume kept and redoes."""
         for line in plan.messages:
             print(line)
         self.logs.events.emit(
@@ -415,20 +426,7 @@ class Trainer:
         return self._published if self.group is not None else self.parts.algo.policy_weights()
 
     def _on_batch(self, chunk: Chunk) -> None:
-        self.logs.timeline.write(
-            {
-                "kind": "generate",
-                "start": unix_time(chunk.start),
-                "seconds": chunk.seconds,
-                "version": chunk.version,
-                "attempt": self.attempt,
-                "ordinals": [t.ordinal for t in chunk.tickets],
-                "targets": [t.target_step for t in chunk.tickets],
-                "token_starts": chunk.token_starts,
-                "token_counts": chunk.token_counts,
-                "landed": chunk.landed,
-            }
-        )
+        self.logs.timeline.write(generation_span(chunk, self.attempt))
 
     def _postfix(self, record: dict[str, Any]) -> str:
         capacity = self.parts.buffer.capacity
