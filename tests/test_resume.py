@@ -121,3 +121,35 @@ def test_a_resume_decodes_the_checkpoint_once_and_keeps_no_copy_of_it(tmp_path, 
         opened.lock.close()
     (resume,) = [e for e in read_records(run / "events.jsonl") if e["event"] == "resume"]
     assert resume["from_step"] == 2 and 0 < resume["load_s"] < 60
+
+
+def test_a_resume_on_changed_data_is_refused_naming_the_file_and_both_counts(tmp_path):
+    """I8: the ordinals of a checkpoint index its rows; appended or edited rows would make the
+    resumed run train other prompts under the same ordinals (and audit could not tell)."""
+    import json
+
+    data = tmp_path / "rows.jsonl"
+    rows = [{"prompt": f"{d}{d + 1}=", "answer": f"{d}{d + 1}"} for d in range(8)] * 8  # 64 rows
+
+    def write(rows):
+        data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+
+    def config(steps):
+        return small_config("data.task=jsonl", f"data.path={data}", f"run.max_num_steps={steps}")
+
+    run = tmp_path / "run"
+    write(rows)
+    train(config(2), run)
+    write(rows + [{"prompt": "12=", "answer": "12"}] * 20)  # 20 rows appended
+    with pytest.raises(RunDirError) as err:
+        train(config(4), run)
+    message = str(err.value)
+    assert f"cannot resume step 2 on other data (data.path={data})" in message
+    assert "cut on 64 examples" in message and "the data now has 84" in message
+    write([{**rows[0], "answer": "99"}, *rows[1:]])  # the same count, one answer edited
+    with pytest.raises(RunDirError, match=r"cut on 64 examples .* the data now has 64"):
+        train(config(4), run)
+    assert len(read_records(run / "metrics.jsonl")) == 2  # nothing trained
+    write(rows)  # negative control: the original rows resume and finish
+    train(config(4), run)
+    assert [r["step"] for r in read_records(run / "metrics.jsonl")] == [0, 1, 2, 3]

@@ -66,3 +66,16 @@ def test_a_restored_cursor_continues_the_same_sequence():
     b = PromptStream(num_rows=6, num_prompts_per_step=2, seed=4)
     b.load_state_dict(a.state_dict())
     assert [b.take() for _ in range(8)] == [a.take() for _ in range(8)]
+
+
+def test_a_stream_state_is_loaded_only_onto_the_same_rows():
+    from asyncrl.core.stream import DataChanged
+
+    saved = PromptStream(10, 2, seed=0, data_sha256="ab" * 32).state_dict()
+    PromptStream(10, 2, seed=0, data_sha256="ab" * 32).load_state_dict(saved)
+    with pytest.raises(DataChanged, match=r"cut on 10 examples .*now has 11"):
+        PromptStream(11, 2, seed=0, data_sha256="ab" * 32).load_state_dict(saved)
+    with pytest.raises(DataChanged, match=r"sha256 abababababababab.*sha256 cdcdcdcdcdcdcdcd"):
+        PromptStream(10, 2, seed=0, data_sha256="cd" * 32).load_state_dict(saved)
+    older = {k: v for k, v in saved.items() if k not in ("num_rows", "data_sha256")}
+    PromptStream(11, 2, seed=0, data_sha256="cd" * 32).load_state_dict(older)  # not judged

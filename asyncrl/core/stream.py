@@ -4,7 +4,9 @@ Ordinal `k` is the k-th prompt this run hands out, counted across epochs. Its ro
 `permutation(seed, epoch)[position]`, a pure function of (seed, epoch) that is recomputed,
 never saved. Its target step is `k // N` — unless a lossy resume re-planned the schedule (see
 `TargetSchedule`). The stream's state is its cursor (the next ordinal to hand out) and that
-schedule.
+schedule, with the identity of the rows it indexes (their count and a digest of their
+content): ordinals mean rows only on the same data, so a resume on other data is refused
+(DESIGN.md I8) instead of training a different run under the same ordinals.
 """
 
 from __future__ import annotations
@@ -70,13 +72,22 @@ class TargetSchedule:
         self.base_target = int(state["base_target"])
 
 
-class PromptStream:
-    """Hands out `PromptTicket`s in ordinal order, endlessly across epochs."""
+class DataChanged(ValueError):
+    """A checkpoint's stream was cut on other rows than this run's; the message gives both
+    counts and both digests."""
 
-    def __init__(self, num_rows: int, num_prompts_per_step: int, seed: int) -> None:
+
+class PromptStream:
+    """Hands out `PromptTicket`s in ordinal order, endlessly across epochs. `data_sha256`
+    identifies the rows' content (with their count); "" when unknown (it then checks nothing)."""
+
+    def __init__(
+        self, num_rows: int, num_prompts_per_step: int, seed: int, data_sha256: str = ""
+    ) -> None:
         if num_rows < 1:
             raise ValueError("the prompt stream needs at least one dataset row")
         self.num_rows = num_rows
+        self.data_sha256 = data_sha256
         self.num_prompts_per_step = num_prompts_per_step
         self.seed = seed
         self.cursor = 0
@@ -109,8 +120,30 @@ class PromptStream:
         return ticket
 
     def state_dict(self) -> dict[str, Any]:
-        return {"cursor": self.cursor, "schedule": self.schedule.state_dict()}
+        return {
+            "cursor": self.cursor,
+            "schedule": self.schedule.state_dict(),
+            "num_rows": self.num_rows,
+            "data_sha256": self.data_sha256,
+        }
+
+    def check_same_data(self, state: dict[str, Any]) -> None:
+        """Raises `DataChanged` unless `state` (a saved `state_dict`) was cut on rows of this
+        count and digest. A state from before identities were saved, or a side that does not
+        know its digest, is not judged."""
+        saved_rows, saved_sha = state.get("num_rows"), state.get("data_sha256") or ""
+        if saved_rows is None:
+            return
+        if int(saved_rows) != self.num_rows or (
+            saved_sha and self.data_sha256 and saved_sha != self.data_sha256
+        ):
+            raise DataChanged(
+                f"the checkpoint was cut on {int(saved_rows)} examples (sha256 "
+                f"{saved_sha[:16] or '?'}), the data now has {self.num_rows} (sha256 "
+                f"{self.data_sha256[:16] or '?'})"
+            )
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.check_same_data(state)
         self.cursor = int(state["cursor"])
         self.schedule.load_state_dict(state["schedule"])

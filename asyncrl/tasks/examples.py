@@ -3,6 +3,8 @@ prompt's messages) and its reward function. Imported by every source (`source`, 
 
 from __future__ import annotations
 
+import hashlib
+import json
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -41,6 +43,19 @@ class Task:
     def alphabet(self) -> set[str]:
         """Every character of every prompt and answer: the `tiny` preset's vocabulary."""
         return alphabet(self.examples)
+
+
+def examples_sha256(examples: list[Example]) -> str:
+    """A digest of the rows a run trains on, in dataset order: each row's prompt, chat
+    messages and answer (not where it came from). Two datasets with the same rows in the same
+    order have the same digest; any change to a row, an appended row or another order changes
+    it."""
+    digest = hashlib.sha256()
+    for e in examples:
+        row = [e.prompt, e.answer, list(e.messages) if e.messages is not None else None]
+        digest.update(json.dumps(row, ensure_ascii=False, sort_keys=True).encode())
+        digest.update(b"\n")
+    return digest.hexdigest()
 
 
 def alphabet(examples: list[Example]) -> set[str]:

@@ -28,7 +28,7 @@ from asyncrl.rollout.engine import (
 from asyncrl.rollout.evaluation import Evaluator, build_evaluator, task_reward_pool
 from asyncrl.rollout.scorer import Scorer
 from asyncrl.rollout.weight_sync import CopyWeightSync, WeightSync
-from asyncrl.tasks.examples import Task
+from asyncrl.tasks.examples import Task, examples_sha256
 from asyncrl.tasks.prompts import encode_prompts
 from asyncrl.tasks.source import load_task
 
@@ -103,7 +103,12 @@ def build_components(
     if rollout.backend == "threads":  # on Ray the device is the workers' (checked there)
         resolve_device("rollout.device", rollout.device)
     task, policy, build_algorithm = build_trainer_side(config, ranks, device)
-    stream = PromptStream(len(task.examples), rollout.num_prompts_per_step, config.run.seed)
+    stream = PromptStream(
+        len(task.examples),
+        rollout.num_prompts_per_step,
+        config.run.seed,
+        data_sha256=examples_sha256(task.examples),
+    )
     ledger = Ledger(stream)
     shutdown: list[Callable[[], None]] = []
     buffer, weights, engine = _generation_backend(config, _engine_spec(config, policy), shutdown)

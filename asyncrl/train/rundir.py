@@ -22,8 +22,9 @@ from asyncrl.checkpoint.store import (
     UnsupportedCheckpointFormat,
     Verified,
 )
-from asyncrl.config import Config
+from asyncrl.config import Config, DataConfig
 from asyncrl.config.keys import dump_config, resume_rule, semantic_differences
+from asyncrl.core.stream import DataChanged, PromptStream
 from asyncrl.train.records import read_jsonl
 
 
@@ -172,3 +173,16 @@ def _find_checkpoint(run: RunDir, config: Config, restart: bool, force_config: b
                 f"resume from.{rejected}\nPass --restart to train again from step 0 (earlier "
                 "records stay, with lower attempt numbers), or choose a new --run-dir."
             )
+
+
+def refuse_other_data(latest: Verified, stream: PromptStream, data: DataConfig) -> None:
+    """I8: a checkpoint's ordinals index the rows it was cut on; a resume on other rows (their
+    count or content changed) is refused naming the data key, before any tensor is read."""
+    try:
+        stream.check_same_data(read_parts(latest)[0]["stream"])
+    except DataChanged as err:
+        key = f"data.path={data.path}" if data.path else f"data.task={data.task}"
+        raise RunDirError(
+            f"{latest.path.parent.parent}: cannot resume step {latest.step} on other data "
+            f"({key}): {err}. Restore the data the run was started on, or start a new --run-dir."
+        ) from None

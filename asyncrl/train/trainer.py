@@ -62,7 +62,7 @@ from asyncrl.train.records import (
     step_record,
     unix_time,
 )
-from asyncrl.train.rundir import RunDir, open_run_dir
+from asyncrl.train.rundir import RunDir, open_run_dir, refuse_other_data
 from asyncrl.train.signals import Preempted, StopRequest
 
 STAGED_IN_BACKGROUND = ("model", "algorithm", "generation")
@@ -190,6 +190,7 @@ class Trainer:
                 print(f"asyncrl: no verified checkpoint; from step 0 (attempt {self.attempt})")
             return
         start = time.perf_counter()
+        refuse_other_data(self.run.latest, self.parts.stream, self.config.data)  # I8
         snapshot = self._decode_latest(self.run.latest)
         cursor = int(snapshot.parts["stream"]["cursor"])
         saved_config = snapshot.config
