@@ -5,6 +5,7 @@ deterministic run trains the same bits with evaluation on or off."""
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 import torch
@@ -183,3 +184,38 @@ def test_asyncrl_eval_of_a_checkpoint_reproduces_the_evaluation_the_run_made(tmp
     bad = run_cli("eval", str(run), "--checkpoint", "step_4")
     assert bad.returncode == 2 and "step_000004 does not exist" in bad.stderr
     assert run_cli("eval", str(run), "rollout.temperature=2").returncode == 2
+
+
+@pytest.mark.slow
+def test_asyncrl_eval_imports_no_reward_module_the_run_dir_names(tmp_path, monkeypatch):
+    """I7: a run dir never runs code. The run's reward module writes a marker when imported:
+    `asyncrl eval` refuses to import it unless the command line names it."""
+    from helpers import run_cli
+
+    (tmp_path / "marker_reward.py").write_text(
+        "import os, pathlib\n"
+        "pathlib.Path(os.environ['ASYNCRL_TEST_MARKER']).write_text('imported')\n"
+        "from asyncrl.tasks.rewards import partial_match as reward\n"
+    )
+    marker = tmp_path / "imported"
+    monkeypatch.setenv("ASYNCRL_TEST_MARKER", str(marker))
+    monkeypatch.setenv("PYTHONPATH", f"{tmp_path}:{os.environ.get('PYTHONPATH', '')}")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    run = tmp_path / "run"
+    config = small_config(
+        "data.reward_fn=marker_reward:reward", "eval.every_steps=2", "eval.max_examples=4",
+        "run.max_num_steps=2",
+    )  # fmt: skip
+    train(config, run)
+    assert marker.exists()  # training imports it, as it should
+    marker.unlink()
+    refused = run_cli("eval", str(run))
+    assert refused.returncode == 2, refused.stderr
+    assert "'marker_reward:reward' is not built in" in refused.stderr
+    assert "data.reward_fn=marker_reward:reward" in refused.stderr  # the way to allow it
+    assert not marker.exists(), "eval imported a module the run dir named"
+    named = run_cli("eval", str(run), "--json", "data.reward_fn=marker_reward:reward")
+    assert named.returncode == 0, named.stderr
+    assert marker.exists()  # the control: named on the command line, it is imported
+    made = read_records(run / "metrics.jsonl")[-1]
+    assert json.loads(named.stdout)["eval/reward_mean"] == pytest.approx(made["eval/reward_mean"])

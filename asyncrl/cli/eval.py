@@ -1,5 +1,6 @@
-"""`asyncrl eval DIR [--checkpoint step_N] [eval.KEY=VALUE ...]`: a verified checkpoint's policy
-evaluated as the run evaluates (`asyncrl.rollout.evaluation`), with the run's own config."""
+"""`asyncrl eval DIR [--checkpoint step_N] [eval.KEY=VALUE ...] [data.reward_fn=M:F]`: a
+verified checkpoint's policy evaluated as the run evaluates (`asyncrl.rollout.evaluation`), with
+the config the checkpoint holds."""
 
 from __future__ import annotations
 
@@ -8,9 +9,12 @@ from pathlib import Path
 
 import torch
 
-from asyncrl.checkpoint.run_checkpoints import RunCheckpointsError, verified_checkpoint
+from asyncrl.checkpoint.run_checkpoints import verified_checkpoint
+from asyncrl.checkpoint.snapshot import read_parts
 from asyncrl.cli.export import checkpoint_policy
-from asyncrl.config.keys import load_config
+from asyncrl.config import ConfigError
+from asyncrl.config.data import BUILTIN_REWARDS
+from asyncrl.config.keys import build_config
 from asyncrl.rollout.evaluation import build_evaluator, task_reward_pool
 from asyncrl.tasks.source import load_task
 
@@ -19,16 +23,25 @@ def evaluate_checkpoint(
     run_dir: Path, checkpoint: str | None = None, overrides: Sequence[str] = ()
 ) -> tuple[int, dict[str, float]]:
     """`asyncrl eval`: the evaluation of a verified checkpoint of `run_dir` (default: the
-    newest; `step_N` names one) with the run's config (`run_dir/config.yaml`, its `eval.*`
-    settings changed by `overrides`), on the policy the checkpoint saved. Returns the step it
-    was saved after and the `eval/...` metrics. Raises `RunCheckpointsError` / `ConfigError`
-    naming what is missing."""
-    if not (run_dir / "config.yaml").is_file():
-        raise RunCheckpointsError(f"{run_dir}: not a run dir (no config.yaml)")
-    config = load_config(run_dir / "config.yaml", list(overrides))
+    newest; `step_N` names one) with the config that checkpoint was written with (its
+    manifest-covered `state.json`; `eval.*` and `data.reward_fn` changed by `overrides`), on
+    the policy it saved. Nothing from the run dir is executed (I7): a reward that is not built
+    in is imported only when `overrides` name it. Returns the step the checkpoint was saved
+    after and the `eval/...` metrics. Raises `RunCheckpointsError` / `ConfigError` naming what
+    is missing."""
+    verified = verified_checkpoint(run_dir, checkpoint)
+    _, saved = read_parts(verified)
+    # the sections an evaluation reads; `algo` may hold keys this asyncrl no longer accepts
+    config = build_config({k: v for k, v in saved.items() if k != "algo"}, list(overrides))
+    named = any(o.startswith("data.reward_fn=") for o in overrides)
+    if config.data.reward_target not in BUILTIN_REWARDS.values() and not named:
+        raise ConfigError(
+            f"data.reward_fn: the run's reward {config.data.reward_fn!r} is not built in, and "
+            "asyncrl eval runs no code named by a run dir; name it on the command line to "
+            f"import it: data.reward_fn={config.data.reward_fn}"
+        )
     if config.run.torch_threads:  # as the run evaluated: the same float reduction order
         torch.set_num_threads(config.run.torch_threads)
-    verified = verified_checkpoint(run_dir, checkpoint)
     policy, _ = checkpoint_policy(verified)
     task = load_task(config.data)
     pool = task_reward_pool(task, config.rollout)

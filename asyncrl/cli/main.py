@@ -55,12 +55,17 @@ def build_parser() -> argparse.ArgumentParser:
     export.add_argument("run_dir", help="a run dir")
     export.add_argument("--checkpoint", metavar="step_N", help="default: the newest verified")
     export.add_argument("out", help="directory to write (new or empty)")
-    evaluate = commands.add_parser("eval", help="evaluate a checkpoint (eval.* settings)")
+    evaluate = commands.add_parser(
+        "eval", help="evaluate a checkpoint (eval.* settings; data.reward_fn to import one)"
+    )
     evaluate.add_argument("run_dir", help="a run dir")
     evaluate.add_argument("--checkpoint", metavar="step_N", help="default: the newest verified")
     evaluate.add_argument("--json", action="store_true", help="machine-readable output")
     evaluate.add_argument(
-        "overrides", nargs="*", metavar="eval.key=value", help="e.g. eval.num_samples=8"
+        "overrides",
+        nargs="*",
+        metavar="eval.key=value",
+        help="e.g. eval.num_samples=8; data.reward_fn=MODULE:FN imports the run's own reward",
     )
     return parser
 
@@ -182,9 +187,12 @@ def _eval(args: argparse.Namespace) -> int:
     from asyncrl.checkpoint.store import CheckpointError
     from asyncrl.cli.eval import evaluate_checkpoint
 
-    bad = [o for o in args.overrides if not o.startswith("eval.")]
+    bad = [o for o in args.overrides if not o.startswith(("eval.", "data.reward_fn="))]
     if bad:
-        print(f"asyncrl: error: eval takes only eval.* overrides, got {bad}", file=sys.stderr)
+        print(
+            f"asyncrl: error: eval takes only eval.* and data.reward_fn overrides, got {bad}",
+            file=sys.stderr,
+        )
         return EXIT_BAD_INPUT
     try:
         step, metrics = evaluate_checkpoint(Path(args.run_dir), args.checkpoint, args.overrides)

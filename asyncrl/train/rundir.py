@@ -72,12 +72,17 @@ def _lock(path: Path) -> IO[str]:
     return handle
 
 
-def _write_run_json(path: Path, run_id: str) -> None:
-    tmp = path / ".run.json.tmp"
-    tmp.write_text(json.dumps({"run_id": run_id}) + "\n")
+def _write_atomically(path: Path, text: str) -> None:
+    """`path` holds the old text or the new, never a torn one: a temp file fsynced, renamed."""
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(text)
     with tmp.open("rb") as f:
         os.fsync(f.fileno())
-    os.rename(tmp, path / "run.json")
+    os.rename(tmp, path)
+
+
+def _write_run_json(path: Path, run_id: str) -> None:
+    _write_atomically(path / "run.json", json.dumps({"run_id": run_id}) + "\n")
 
 
 def open_run_dir(
@@ -95,7 +100,7 @@ def open_run_dir(
         starts = [e for e in read_jsonl(path / "events.jsonl") if e.get("event") == "start"]
         run = RunDir(path=path, run_id=run_id, attempt=len(starts), lock=lock)
         _find_checkpoint(run, config, restart, force_config)
-        (path / "config.yaml").write_text(dump_config(config))
+        _write_atomically(path / "config.yaml", dump_config(config))  # the last launch's
     except OSError as err:
         lock.close()
         raise _os_error(path, "cannot read or write the run dir", err) from None
