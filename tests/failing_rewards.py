@@ -16,6 +16,12 @@ def raises_on_7(completion: str, answer: str) -> float:
     return float(completion == answer)
 
 
+def exits_on_7(completion: str, answer: str) -> float:
+    if answer == "7":
+        raise SystemExit("a reward helper exited")
+    return float(completion == answer)
+
+
 def nan_on_7(completion: str, answer: str) -> float:
     return math.nan if answer == "7" else float(completion == answer)
 

@@ -44,9 +44,43 @@ def test_failed_generation_batches_are_redispatched_and_counted(tmp_path, monkey
     assert audit_run_dir(run).ok  # every ordinal trained once, at its own step
 
 
+def failing_admission(monkeypatch, fail_calls: set[int] | None) -> None:
+    """Admission (outside a batch's retry) raises on those calls (None: on every call): the
+    generation thread dies."""
+    from asyncrl.core.ledger import Ledger
+
+    real, calls = Ledger.admit, {"n": 0}
+
+    def admit(self, *args, **kwargs):
+        calls["n"] += 1
+        if fail_calls is None or calls["n"] in fail_calls:
+            raise RuntimeError("admission broke")
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(Ledger, "admit", admit)
+
+
 @pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")
 def test_a_dead_worker_thread_is_restarted(tmp_path, monkeypatch):
-    flaky_generate(monkeypatch, {2}, SystemExit("thread killed"))  # escapes the batch retry
+    failing_admission(monkeypatch, {2})  # escapes the batch retry: the thread dies
+    run = tmp_path / "run"
+    train(small_config("run.max_num_steps=5"), run)
+    assert read_records(run / "metrics.jsonl")[-1]["generation_failures"] == 1
+    assert audit_run_dir(run).ok
+
+
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")
+def test_a_thread_that_keeps_dying_stops_the_run_within_the_failure_limit(tmp_path, monkeypatch):
+    """Restarts count against `rollout.max_generation_failures` (they were restarted forever:
+    the run hung with a busy CPU and printed nothing)."""
+    failing_admission(monkeypatch, None)
+    config = small_config("run.max_num_steps=5", "rollout.max_generation_failures=3")
+    with pytest.raises(GenerationFailed, match="3 times in a row; last: the generation thread"):
+        train(config, tmp_path / "run")
+
+
+def test_a_batch_whose_engine_raises_system_exit_is_a_counted_failure(tmp_path, monkeypatch):
+    flaky_generate(monkeypatch, {2}, SystemExit("a helper called sys.exit"))
     run = tmp_path / "run"
     train(small_config("run.max_num_steps=5"), run)
     assert read_records(run / "metrics.jsonl")[-1]["generation_failures"] == 1
@@ -77,7 +111,11 @@ def jsonl_task(tmp_path, reward: str) -> list[str]:
 
 @pytest.mark.parametrize(
     ("reward", "message"),
-    [("raises_on_7", "raised ValueError('cannot score answer 7')"), ("nan_on_7", "returned nan")],
+    [
+        ("raises_on_7", "raised ValueError('cannot score answer 7')"),
+        ("nan_on_7", "returned nan"),
+        ("exits_on_7", "raised SystemExit('a reward helper exited')"),  # hung the run before
+    ],
 )
 def test_a_failing_reward_function_stops_the_run_naming_the_ordinal(tmp_path, reward, message):
     config = small_config(*jsonl_task(tmp_path, reward), "run.max_num_steps=6")

@@ -125,3 +125,14 @@ def test_a_batched_reward_that_raises_is_a_failure_here_and_in_a_worker():
             pool.close()
         assert isinstance(result, RewardFailure)
         assert "the grader is down" in str(result)
+
+
+def test_a_closed_pool_fails_every_call_instead_of_running_it_here(tmp_path):
+    """After `close()` (the run is ending) a call must not run in the calling thread, where
+    a hanging reward would hold up the exit with no timeout."""
+    pool = RewardPool("asyncrl.tasks.rewards:exact_match", {}, workers=0)
+    job = RewardJob(["12"], "12")
+    assert pool.score([job])[0].rewards == [1.0]  # open: scored here
+    pool.close()
+    (result,) = pool.score([job])
+    assert isinstance(result, RewardFailure) and "reward pool closed" in str(result)

@@ -212,7 +212,9 @@ class Collector:
             try:
                 self._generate(tickets)
                 self._consecutive_failures = 0
-            except Exception as err:
+            except KeyboardInterrupt:
+                raise
+            except BaseException as err:  # SystemExit from a helper too: counted, reported
                 with self._cond:
                     self.ledger.fail([t for t in tickets if t.ordinal in self.ledger.in_flight])
                 if self._stop:
@@ -225,13 +227,19 @@ class Collector:
                     return
 
     def ensure_running(self) -> None:
-        """Restarts the worker thread if it died without being stopped (counted as a
-        failure); its in-flight tickets go back to the front of the queue."""
+        """Restarts the worker thread if it died without being stopped, counted as a failure
+        in a row like a failed batch (`max_failures` of them stop generation for good); its
+        in-flight tickets go back to the front of the queue."""
         if self._thread.is_alive() or self._stop or self._error is not None:
             return
         with self._cond:
             self.ledger.fail(list(self.ledger.in_flight.values()))
         self.num_failures += 1
+        self._consecutive_failures += 1
+        print(f"asyncrl: the generation thread died ({self._consecutive_failures} in a row)")
+        if self._consecutive_failures >= self.max_failures:
+            self._error = RuntimeError("the generation thread died")
+            return
         self._thread = threading.Thread(target=self._run, name="asyncrl-collector", daemon=True)
         self._thread.start()
 

@@ -27,6 +27,9 @@ class RewardJob:
     answer: str
 
 
+CLOSED = "was stopped: the run is ending (its reward pool closed)"
+
+
 class RewardPool:
     """Scores groups with `target` (`module:function`) called with `kwargs`: in this thread
     when `workers` is 0, else in that many spawned processes, each call stopped after
@@ -50,7 +53,11 @@ class RewardPool:
             )
 
     def score(self, jobs: list[RewardJob]) -> list[GroupScores | RewardFailure]:
-        """Every job's scores, in order; all jobs run in parallel on the pool."""
+        """Every job's scores, in order; all jobs run in parallel on the pool. Once the pool is
+        closed every call fails (never in this thread instead: a hanging reward would then
+        hold up the end of the run without a timeout)."""
+        if self._closed.is_set():
+            return [RewardFailure(CLOSED) for _ in jobs]
         if self._pool is None:
             return [self._call_here(job) for job in jobs]
         futures = [
@@ -68,7 +75,9 @@ class RewardPool:
             return score_group(self.target, self.kwargs, job.completions, job.answer)
         except RewardFailure as failure:
             return failure
-        except Exception as err:  # a batched function's own exception
+        except KeyboardInterrupt:
+            raise
+        except BaseException as err:  # a batched function's own exception, SystemExit too
             return RewardFailure(f"raised {err!r}")
 
     def _result(self, future: Any) -> GroupScores | RewardFailure:
@@ -76,7 +85,7 @@ class RewardPool:
         # closed pool may never resolve a running call's future)
         while not concurrent.futures.wait([future], timeout=POLL_S).done:
             if self._closed.is_set():
-                return RewardFailure("was stopped: the run is ending (its reward pool closed)")
+                return RewardFailure(CLOSED)
         try:
             result: GroupScores = future.result()
         except concurrent.futures.TimeoutError:

@@ -63,7 +63,9 @@ def score_group(
         for text in completions:
             try:
                 values.append(fn(text, answer, **kwargs))
-            except Exception as err:
+            except KeyboardInterrupt:
+                raise
+            except BaseException as err:  # SystemExit too: a reward must not end the run
                 raise RewardFailure(f"raised {err!r} for completion {text!r}") from err
     return _collect(values, completions)
 
