@@ -166,6 +166,8 @@ def test_the_global_rngs_are_not_part_of_what_a_resume_must_restore(tmp_path, re
     run_to_kill(run, repo_root, "checkpoint.parent_fsynced[step=6]")
     assert finish(run, repo_root, skip="rng") == 0
     assert fingerprint(run) == reference
+    (resume,) = [e for e in read_records(run / "events.jsonl") if e["event"] == "resume"]
+    assert resume["skipped_restore"] == ["rng"]  # the test switch is on the record
 
 
 def test_ppo_killed_mid_checkpoint_and_mid_epoch_is_bitwise_the_uninterrupted_run(

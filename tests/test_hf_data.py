@@ -117,15 +117,15 @@ def test_a_conversational_prompt_column_is_read_as_messages(tmp_path):
         (
             [*ROWS, {"question": "What?", "answer": None}],
             {"prompt_key": "question"},
-            "q.jsonl:row 2: 'answer' is missing",
+            "q.jsonl:row 3: 'answer' is missing",
         ),
         ([{"question": "", "answer": "1"}], {"prompt_key": "question"},
-         "row 0: 'question' is empty"),
+         "row 1: 'question' is empty"),
         (
             [{"m": [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}],
               "answer": "1"}],
             {"messages_key": "m"},
-            "row 0: 'm' ends with an assistant message",
+            "row 1: 'm' ends with an assistant message",
         ),
         ([{"m": [{"role": "user"}], "answer": "1"}], {"messages_key": "m"}, "'m' message 0 is not"),
         (ROWS, {"prompt_key": "question", "system_prompt": "x"}, "data.apply_chat_template=true"),
@@ -151,5 +151,5 @@ def test_missing_files_splits_and_templates_are_named(tmp_path, tokenizer):
     chat = read_hf_examples(hf(path, prompt_key="question", apply_chat_template=True),
                             str(path), "train")  # fmt: skip
     plain_tokenizer = train_tokenizer(300, chat=False)
-    with pytest.raises(ConfigError, match=r"q\.jsonl:row 0: a chat prompt, but the tokenizer"):
+    with pytest.raises(ConfigError, match=r"q\.jsonl:row 1: a chat prompt, but the tokenizer"):
         prompt_ids(chat[0], plain_tokenizer)

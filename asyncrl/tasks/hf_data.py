@@ -68,7 +68,7 @@ def read_hf_examples(
 ) -> list[Example]:
     """Every row (the first `limit` if > 0) of `path`'s `split` as an example, read with
     `config`'s keys. A missing column names it and the columns there are; a bad row names
-    `path:row N` (N counted from 0, as `datasets` indexes rows)."""
+    `path:row N`, N counted from 1 (the first row is row 1: for a JSONL file, its line)."""
     rows = load_rows(path, split, key)
     prompt_key = config.messages_key or config.prompt_key
     key_name = "data.messages_key" if config.messages_key else "data.prompt_key"
@@ -82,7 +82,9 @@ def read_hf_examples(
         rows = rows.select(range(min(limit, len(rows))))
     if config.system_prompt and not (config.messages_key or config.apply_chat_template):
         _check_chat_column(rows, prompt_key, path)
-    examples = [_example(config, row, prompt_key, f"{path}:row {i}") for i, row in enumerate(rows)]
+    examples = [
+        _example(config, row, prompt_key, f"{path}:row {i + 1}") for i, row in enumerate(rows)
+    ]
     if not examples:
         raise ConfigError(f"{key}: {path} split {split!r} has no rows")
     return examples

@@ -34,7 +34,7 @@ import torch
 import transformers
 from tqdm import tqdm
 
-from asyncrl.checkpoint.restore import load_parts
+from asyncrl.checkpoint.restore import SKIP_RESTORE, load_parts
 from asyncrl.checkpoint.snapshot import RNGState, Snapshot, Stateful, decode
 from asyncrl.checkpoint.staging import Cut, StagingArea
 from asyncrl.checkpoint.store import CheckpointError, Verified
@@ -222,6 +222,10 @@ class Trainer:
         """The `resume` event and the one-line report of what the resume kept and redoes."""
         for line in plan.messages:
             print(line)
+        if SKIP_RESTORE:  # a test switch: never silent, and on the record
+            print(
+                f"asyncrl: WARNING: ASYNCRL_TEST_SKIP_RESTORE: {sorted(SKIP_RESTORE)} not restored"
+            )
         self.logs.events.emit(
             "resume",
             attempt=self.attempt,
@@ -245,6 +249,7 @@ class Trainer:
             config_changes=benign_differences(saved_config, self.config),
             forced_config_changes=self.run.forced_changes,
             load_s=load_s,
+            **({"skipped_restore": sorted(SKIP_RESTORE)} if SKIP_RESTORE else {}),
         )
         print(
             f"asyncrl: resumed at step {self.step} (attempt {self.attempt}, {plan.policy}): kept "
