@@ -329,6 +329,7 @@ def test_a_process_can_launch_two_ranked_runs_one_after_the_other(tmp_path):
     records = read_records(tmp_path / "run" / "metrics.jsonl")
     assert [r["step"] for r in records] == [0, 1, 2]
     wait_for_no_rank_processes(os.getpid())  # this process was rank 0
+    assert not list((tmp_path / "run" / ".scratch").glob("asyncrl-ranks-*"))  # rendezvous gone
     # the run evaluated the full weights it published: `asyncrl eval` of its final checkpoint
     # (whole tensors from both ranks' files) gives the same numbers
     from asyncrl.cli.eval import evaluate_checkpoint

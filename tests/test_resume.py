@@ -77,6 +77,23 @@ def test_a_second_launch_on_a_run_dir_in_use_is_refused_naming_the_holder(tmp_pa
     open_run_dir(tmp_path / "run", config).lock.close()  # free again once the holder is gone
 
 
+def test_a_launch_empties_the_scratch_an_earlier_killed_launch_left(tmp_path):
+    """vLLM's model copy and the ranks' rendezvous live in `DIR/.scratch` (a SIGKILL runs no
+    clean-up): the next launch removes them under the run dir's lock."""
+    from asyncrl.train.rundir import SCRATCH_DIR, open_run_dir
+
+    config = small_config()
+    open_run_dir(tmp_path / "run", config).lock.close()
+    left = tmp_path / "run" / SCRATCH_DIR / "asyncrl-vllm-x" / "model.safetensors"
+    left.parent.mkdir(parents=True)
+    left.write_bytes(b"weights of a killed launch")
+    opened = open_run_dir(tmp_path / "run", config)
+    try:
+        assert not (tmp_path / "run" / SCRATCH_DIR).exists()
+    finally:
+        opened.lock.close()
+
+
 def test_a_resume_decodes_the_checkpoint_once_and_keeps_no_copy_of_it(tmp_path, monkeypatch):
     import gc
     import weakref

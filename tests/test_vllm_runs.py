@@ -90,9 +90,11 @@ def test_async_vllm_run_killed_mid_generation_resumes_losslessly_and_learns(tmp_
     # partial samples depends on timing, and a one-core machine was seen with none)
     passes = random.Random(11).randint(1, 12)
     fault = f"checkpoint.parent_fsynced>engine.decode_step:{passes}"
+    tmp = tmp_path / "tmp"  # the system's temporary directory, for this launch
+    tmp.mkdir()
     killed = subprocess.run(
         command(run, *extra),
-        env={**os.environ, "ASYNCRL_FAULT": fault},
+        env={**os.environ, "ASYNCRL_FAULT": fault, "TMPDIR": str(tmp)},
         capture_output=True,
         text=True,
         timeout=300,
@@ -100,8 +102,12 @@ def test_async_vllm_run_killed_mid_generation_resumes_losslessly_and_learns(tmp_
     assert killed.returncode == -signal.SIGKILL, f"{fault} never reached: {killed.stderr[-3000:]}"
     saved = inspect_run_dir(run)
     assert saved["checkpoint"] is not None
+    # vLLM's copy of the model was in the run dir's scratch, not left in $TMPDIR by the kill
+    assert not [p.name for p in tmp.iterdir() if p.name.startswith("asyncrl")]
+    assert list((run / ".scratch").glob("asyncrl-vllm-*/model.safetensors"))
 
     run_to_end(run, *extra)
+    assert not list((run / ".scratch").glob("asyncrl-vllm-*")), "the killed launch's copy stayed"
     resumes = [e for e in read_records(run / "events.jsonl") if e["event"] == "resume"]
     assert len(resumes) == 1 and resumes[0]["from_step"] == saved["step"]
     report = audit_run_dir(run)

@@ -98,6 +98,10 @@ class EngineSpec:
     uninterrupted run computed."""
     options: dict[str, Any] = field(default_factory=dict)
     """The engine's own settings (`rollout.vllm.*` for `rollout.engine=vllm`)."""
+    scratch_dir: str = ""
+    """Where an engine may write files of its own (vLLM's copy of the model): the run dir's
+    `.scratch/`, emptied under the run dir's lock at the next launch, so a SIGKILLed run leaks
+    nothing; "" is the system's temporary directory."""
 
 
 class GenerationEngine(Protocol):

@@ -82,7 +82,9 @@ class VLLMGenerationEngine:
             "engine_start_s": 0.0,
         }
         started = time.perf_counter()
-        self._dir = tempfile.mkdtemp(prefix="asyncrl-vllm-")
+        if spec.scratch_dir:
+            os.makedirs(spec.scratch_dir, exist_ok=True)
+        self._dir = tempfile.mkdtemp(prefix="asyncrl-vllm-", dir=spec.scratch_dir or None)
         weakref.finalize(self, shutil.rmtree, self._dir, ignore_errors=True)
         # the architecture and a first set of weights; the run's weights replace them
         spec.model.save_pretrained(self._dir, safe_serialization=True)

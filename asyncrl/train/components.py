@@ -96,8 +96,10 @@ def build_components(
     on_batch: OnBatch | None = None,
     ranks: Ranks = SINGLE,
     device: torch.device | None = None,
+    scratch_dir: str = "",
 ) -> Components:
-    """Rank 0's (the only rank's) run: generation, the ledger, the buffer, the algorithm."""
+    """Rank 0's (the only rank's) run: generation, the ledger, the buffer, the algorithm.
+    `scratch_dir`: where an engine in this process may write files (`EngineSpec`)."""
     rollout = config.rollout
     check_engine(config)
     if rollout.backend == "threads":  # on Ray the device is the workers' (checked there)
@@ -111,7 +113,9 @@ def build_components(
     )
     ledger = Ledger(stream)
     shutdown: list[Callable[[], None]] = []
-    buffer, weights, engine = _generation_backend(config, _engine_spec(config, policy), shutdown)
+    local = scratch_dir if rollout.backend == "threads" else ""  # a Ray worker's is its node's
+    spec = _engine_spec(config, policy, local)
+    buffer, weights, engine = _generation_backend(config, spec, shutdown)
     pool = task_reward_pool(task, rollout)
     shutdown.append(pool.close)
     try:
@@ -147,7 +151,7 @@ def build_components(
     )  # fmt: skip
 
 
-def _engine_spec(config: Config, policy: Policy) -> EngineSpec:
+def _engine_spec(config: Config, policy: Policy, scratch_dir: str) -> EngineSpec:
     rollout = config.rollout
     return EngineSpec(
         policy.model,
@@ -159,6 +163,7 @@ def _engine_spec(config: Config, policy: Policy) -> EngineSpec:
         rollout.dtype,
         keep_cache_between_chunks=not config.run.deterministic,
         options=engine_options(config),
+        scratch_dir=scratch_dir,
     )
 
 

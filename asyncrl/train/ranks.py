@@ -182,7 +182,7 @@ class RankGroup:
             shutil.rmtree(self.rendezvous_dir, ignore_errors=True)
 
 
-def launch(config: Config) -> RankGroup | None:
+def launch(config: Config, scratch: Path | None = None) -> RankGroup | None:
     """Rank 0's start of a `train.num_processes` > 1 run: the other ranks (spawned here unless
     torchrun started them), the process group, and the resolved config sent to every rank."""
     world_size = config.train.num_processes
@@ -198,7 +198,9 @@ def launch(config: Config) -> RankGroup | None:
         return RankGroup(ranks, [])
     if world_size == 1:
         return None
-    rendezvous = Path(tempfile.mkdtemp(prefix="asyncrl-ranks-")) / "rendezvous"
+    if scratch is not None:  # the run dir's: emptied at the next launch, even after a SIGKILL
+        scratch.mkdir(parents=True, exist_ok=True)
+    rendezvous = Path(tempfile.mkdtemp(prefix="asyncrl-ranks-", dir=scratch)) / "rendezvous"
     env = {
         **os.environ,
         LOCAL_RENDEZVOUS: str(rendezvous),  # I7: a file, no server socket; gloo on loopback

@@ -10,6 +10,7 @@ import fcntl
 import functools
 import json
 import os
+import shutil
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -26,6 +27,10 @@ from asyncrl.config import Config, DataConfig
 from asyncrl.config.keys import dump_config, resume_rule, semantic_differences
 from asyncrl.core.stream import DataChanged, PromptStream
 from asyncrl.train.records import read_jsonl
+
+SCRATCH_DIR = ".scratch"
+"""Files a launch writes for itself only (vLLM's copy of the model, the ranks' rendezvous):
+under the run dir, emptied under its lock at the next launch, so a SIGKILL leaks nothing."""
 
 
 class RunDirError(RuntimeError):
@@ -141,6 +146,7 @@ def _claim(path: Path) -> tuple[str, IO[str]]:
         if not run_json.is_file():
             _write_run_json(path, run_id)
         CheckpointStore(path / "checkpoints", run_id).clean_temp()  # ours, and we hold the lock
+        shutil.rmtree(path / SCRATCH_DIR, ignore_errors=True)  # an earlier launch's, killed
     except BaseException:
         lock.close()
         raise

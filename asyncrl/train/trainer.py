@@ -62,7 +62,7 @@ from asyncrl.train.records import (
     step_record,
     unix_time,
 )
-from asyncrl.train.rundir import RunDir, open_run_dir, refuse_other_data
+from asyncrl.train.rundir import SCRATCH_DIR, RunDir, open_run_dir, refuse_other_data
 from asyncrl.train.signals import Preempted, StopRequest
 
 STAGED_IN_BACKGROUND = ("model", "algorithm", "generation")
@@ -94,12 +94,13 @@ class Trainer:
         """The other trainer ranks (`train.num_processes` > 1), else None."""
         self._published: dict[str, torch.Tensor] = {}
         """With ranks: the full weights last published (the policy itself is sharded)."""
+        scratch = str(self.run_dir / SCRATCH_DIR)
         try:
             if group is None:
-                self.parts = build_components(config, self._on_batch)
+                self.parts = build_components(config, self._on_batch, scratch_dir=scratch)
             else:
                 ranks = group.ranks
-                self.parts = build_components(config, self._on_batch, ranks, ranks.device)
+                self.parts = build_components(config, self._on_batch, ranks, ranks.device, scratch)
         except BaseException:
             self.logs.close()  # nothing of a launch that never started stays open
             raise
@@ -472,7 +473,7 @@ def train(
     run = open_run_dir(run_dir, config, restart=restart, force_config=force_config)
     group, graceful = None, False
     try:
-        group = launch(config)
+        group = launch(config, run_dir / SCRATCH_DIR)
         trainer = Trainer(config, run, stop, group)
         try:
             trainer.run_to_end()
