@@ -153,3 +153,21 @@ def test_missing_files_splits_and_templates_are_named(tmp_path, tokenizer):
     plain_tokenizer = train_tokenizer(300, chat=False)
     with pytest.raises(ConfigError, match=r"q\.jsonl:row 1: a chat prompt, but the tokenizer"):
         prompt_ids(chat[0], plain_tokenizer)
+
+
+def test_a_hub_dataset_is_loaded_at_the_pinned_revision(monkeypatch):
+    """`data.revision` reaches `datasets.load_dataset` for a hub name (no network here: the
+    loader is replaced by one that records its arguments), and only for `data.path`."""
+    import datasets
+
+    seen = []
+
+    def load_dataset(path, split=None, revision=None, **kwargs):
+        seen.append((path, split, revision))
+        return datasets.Dataset.from_list(ROWS)
+
+    monkeypatch.setattr(datasets, "load_dataset", load_dataset)
+    config = hf("org/dataset", prompt_key="question", revision="a1b2c3")
+    read_hf_examples(config, "org/dataset", "train")
+    read_hf_examples(config, "org/other", "test", key="eval.path")
+    assert seen == [("org/dataset", "train", "a1b2c3"), ("org/other", "test", None)]

@@ -29,6 +29,10 @@ class DataConfig:
     `task=hf`: the dataset (file, saved directory or hub name)."""
     split: str = "train"
     """For `task=hf`: the split to train on (a single file is split `train`)."""
+    revision: str = ""
+    """For `task=hf` with a hub dataset: the revision (branch, tag or commit) to load; empty:
+    the default branch, which can move. Pin it so a resume finds the rows it was cut on (a
+    resume on other rows is refused anyway, naming both row counts and digests)."""
     prompt_key: str = "prompt"
     """For `task=hf`: the column holding the prompt, a string or a list of chat messages
     (`[{"role": ..., "content": ...}]`, as TRL's conversational datasets have it)."""

@@ -25,8 +25,9 @@ FILE_BUILDERS = {
 """A single file's suffix -> the `datasets` builder that reads it."""
 
 
-def load_rows(path: str, split: str, key: str = "data.path") -> Any:
-    """The `datasets.Dataset` of `split` at `path`; errors name `key` and what to fix."""
+def load_rows(path: str, split: str, key: str = "data.path", revision: str = "") -> Any:
+    """The `datasets.Dataset` of `split` at `path` (a hub dataset at `revision`, if given);
+    errors name `key` and what to fix."""
     import datasets
 
     datasets.disable_progress_bars()  # the trainer's own progress bar owns the terminal
@@ -56,7 +57,7 @@ def load_rows(path: str, split: str, key: str = "data.path") -> Any:
                     )
                 return saved[split]
             return saved
-        return datasets.load_dataset(path, split=split)
+        return datasets.load_dataset(path, split=split, revision=revision or None)
     except ConfigError:
         raise
     except Exception as err:  # datasets' own: no such file, split or hub name, no network
@@ -69,7 +70,7 @@ def read_hf_examples(
     """Every row (the first `limit` if > 0) of `path`'s `split` as an example, read with
     `config`'s keys. A missing column names it and the columns there are; a bad row names
     `path:row N`, N counted from 1 (the first row is row 1: for a JSONL file, its line)."""
-    rows = load_rows(path, split, key)
+    rows = load_rows(path, split, key, config.revision if path == config.path else "")
     prompt_key = config.messages_key or config.prompt_key
     key_name = "data.messages_key" if config.messages_key else "data.prompt_key"
     for name, column in ((key_name, prompt_key), ("data.answer_key", config.answer_key)):
