@@ -157,7 +157,9 @@ def test_a_resume_on_changed_data_is_refused_naming_the_file_and_both_counts(tmp
     run = tmp_path / "run"
     write(rows)
     train(config(2), run)
-    write(rows + [{"prompt": "12=", "answer": "12"}] * 20)  # 20 rows appended
+    # 20 rows appended, with a character the tiny preset's vocabulary lacks (before: a shape
+    # traceback from the model's state dict, or with known characters a silent resume)
+    write(rows + [{"prompt": "9x=", "answer": "x9"}] * 20)
     with pytest.raises(RunDirError) as err:
         train(config(4), run)
     message = str(err.value)

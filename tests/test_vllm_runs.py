@@ -104,7 +104,7 @@ def test_async_vllm_run_killed_mid_generation_resumes_losslessly_and_learns(tmp_
     assert saved["checkpoint"] is not None
     # vLLM's copy of the model was in the run dir's scratch, not left in $TMPDIR by the kill
     assert not [p.name for p in tmp.iterdir() if p.name.startswith("asyncrl")]
-    assert list((run / ".scratch").glob("asyncrl-vllm-*/model.safetensors"))
+    assert list((run / ".scratch").glob("asyncrl-vllm-*/config.json"))  # it was there
 
     run_to_end(run, *extra)
     assert not list((run / ".scratch").glob("asyncrl-vllm-*")), "the killed launch's copy stayed"

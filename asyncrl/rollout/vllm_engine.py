@@ -86,14 +86,17 @@ class VLLMGenerationEngine:
             os.makedirs(spec.scratch_dir, exist_ok=True)
         self._dir = tempfile.mkdtemp(prefix="asyncrl-vllm-", dir=spec.scratch_dir or None)
         weakref.finalize(self, shutil.rmtree, self._dir, ignore_errors=True)
-        # the architecture and a first set of weights; the run's weights replace them
-        spec.model.save_pretrained(self._dir, safe_serialization=True)
+        self._in_process = not options.get("multiprocessing")
+        if self._in_process:  # the architecture only: vLLM starts on dummy weights, and the
+            # first `generate` loads the version it asks for (no copy of the model on disk)
+            spec.model.config.save_pretrained(self._dir)
+        else:  # vLLM's engine process reloads from files, which its dummy format refuses
+            spec.model.save_pretrained(self._dir, safe_serialization=True)
         # vLLM stops on every eos id of the generation config (instruct models list several);
         # asyncrl's samples end at `eos_id` only, as the torch engine's do
         generation = {"eos_token_id": spec.eos_id, "pad_token_id": spec.pad_id}
         with open(os.path.join(self._dir, "generation_config.json"), "w") as f:
             json.dump(generation, f)
-        self._in_process = not options.get("multiprocessing")
         # reloads from a file (engine process) go to a folder of their own: a sharded first
         # save's index would otherwise make vLLM read the first weights again
         self._reload_dir = os.path.join(self._dir, "reload")
@@ -263,6 +266,8 @@ def _start_llm(path: str, spec: EngineSpec, options: dict[str, Any]) -> Any:
             "logprobs_mode": "processed_logprobs",
             "seed": 0,
         }
+        if not options.get("multiprocessing"):  # every version is loaded by `load_weights`
+            kwargs["load_format"] = "dummy"
         if options.get("max_model_len"):
             kwargs["max_model_len"] = int(options["max_model_len"])
         if options.get("kv_cache_bytes"):
