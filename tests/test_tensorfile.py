@@ -117,3 +117,21 @@ def test_a_tensor_file_changed_after_verification_is_refused_when_it_is_loaded(t
     path.write_bytes(bytes(data))
     with pytest.raises(CheckpointError, match=r"model\.safetensors: changed after verification"):
         decode(verified)
+
+
+def test_a_selective_read_keeps_only_the_tensors_asked_for_and_still_hashes_every_byte():
+    """`inspect` reads the ledger's and buffer's tensors out of a state file that also holds
+    the optimizer's moments: those are hashed through one chunk and never held."""
+    big = torch.randn(1 << 22)  # 16 MiB: the optimizer's moments, say
+    data = write_bytes({"exp_avg": big, "partial.tokens": torch.arange(6)})
+    tracemalloc.start()
+    tensors, digest = read_tensors(io.BytesIO(data), len(data), {"partial.tokens"})
+    peak = tracemalloc.get_traced_memory()[1]
+    tracemalloc.stop()
+    assert list(tensors) == ["partial.tokens"] and tensors["partial.tokens"].tolist() == [*range(6)]
+    assert digest == hashlib.sha256(data).hexdigest()  # the whole file, as the manifest has it
+    assert peak < len(data) // 2, peak  # the big tensor was never held whole
+    flipped = bytearray(data)
+    flipped[len(data) // 2] ^= 1  # a byte of the tensor not asked for
+    _, changed = read_tensors(io.BytesIO(bytes(flipped)), len(data), {"partial.tokens"})
+    assert changed != digest

@@ -292,13 +292,16 @@ def decode(verified: Verified, templates: dict[str, Any] | None = None) -> Snaps
 
 def decode_parts(verified: Verified, names: tuple[str, ...]) -> dict[str, Any]:
     """Parts `names` of a verified checkpoint with their tensors, read from the state file
-    only (never the model's): what `inspect` needs to count tokens."""
+    only (never the model's), holding in memory only the tensors those parts name (the file
+    is still hashed whole against the manifest): what `inspect` needs to count tokens, without
+    the optimizer's moments or a critic."""
     if format_version(verified) == 1:
         snapshot = decode(verified)
         return {name: snapshot.parts[name] for name in names}
     state = read_state(verified)
     try:
-        tensors = verified.read_with(STATE_FILE, read_tensors)
+        wanted = set().union(*(tensor_refs(state["parts"][name]) for name in names))
+        tensors = verified.read_with(STATE_FILE, lambda f, n: read_tensors(f, n, wanted))
         return {name: unflatten(state["parts"][name], tensors) for name in names}
     except (KeyError, TypeError, ValueError, OSError) as err:
         raise CheckpointError(f"{verified.path}: state unreadable ({err!r})") from None

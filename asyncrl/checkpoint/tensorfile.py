@@ -21,7 +21,7 @@ import json
 import math
 import struct
 import sys
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
 from typing import Any, BinaryIO, Protocol
 
 import torch
@@ -128,6 +128,10 @@ class _Collect:
         self.chunks.append(bytes(data))
 
 
+SKIP_CHUNK_BYTES = 1 << 20
+"""The one buffer a selective read hashes the tensors it does not keep through."""
+
+
 def _read_exact(f: BinaryIO, view: memoryview, digest: Any) -> None:
     """Fills `view` from `f`, hashing what it reads; `ValueError` if the file ends first."""
     filled = 0
@@ -139,10 +143,14 @@ def _read_exact(f: BinaryIO, view: memoryview, digest: Any) -> None:
         filled += n
 
 
-def read_tensors(f: BinaryIO, file_bytes: int) -> tuple[dict[str, torch.Tensor], str]:
+def read_tensors(
+    f: BinaryIO, file_bytes: int, wanted: Collection[str] | None = None
+) -> tuple[dict[str, torch.Tensor], str]:
     """The tensors of a safetensors file of `file_bytes` bytes open as `f`, each in fresh
-    memory, and the SHA-256 of the bytes read (the whole file). Raises `ValueError` if it is
-    not a well-formed safetensors file of that size; the caller compares the digest."""
+    memory (only those named in `wanted`, if given: the others are hashed through one reused
+    chunk and dropped, so memory holds what was asked for), and the SHA-256 of the bytes read
+    (the whole file, always). Raises `ValueError` if it is not a well-formed safetensors file
+    of that size; the caller compares the digest."""
     digest = hashlib.sha256()
     head = bytearray(8)
     _read_exact(f, memoryview(head), digest)
@@ -157,7 +165,17 @@ def read_tensors(f: BinaryIO, file_bytes: int) -> tuple[dict[str, torch.Tensor],
         raise ValueError(f"header is not JSON ({err})") from None
     entries = _entries(header, file_bytes - 8 - header_bytes)
     tensors: dict[str, torch.Tensor] = {}
+    scratch = memoryview(bytearray(0))
     for name, dtype, shape in entries:
+        if wanted is not None and name not in wanted:
+            size = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+            if len(scratch) < min(size, SKIP_CHUNK_BYTES):
+                scratch = memoryview(bytearray(min(size, SKIP_CHUNK_BYTES)))
+            while size:
+                n = min(size, len(scratch))
+                _read_exact(f, scratch[:n], digest)
+                size -= n
+            continue
         tensor = torch.empty(shape, dtype=dtype)
         if tensor.numel():
             _read_exact(f, _raw_bytes(tensor), digest)
