@@ -65,3 +65,42 @@ def test_a_record_appended_after_a_torn_last_line_is_not_lost(tmp_path):
     log.write({"step": 1, "loss": 0.5})
     log.close()
     assert read_jsonl(path) == [{"step": 0}, {"step": 1, "loss": 0.5}]
+
+
+def test_a_damaged_record_fails_the_audit_naming_its_line_and_a_torn_last_line_does_not(
+    tmp_path,
+):
+    """A damaged `resume` line used to be dropped silently, and with it that resume's I3
+    check: the audit passed. Only a torn last line (a kill mid-write) is tolerated."""
+    from helpers import small_config
+
+    from asyncrl.cli.audit import audit_run_dir
+    from asyncrl.train.trainer import train
+
+    run = tmp_path / "run"
+    train(small_config("run.max_num_steps=2"), run)
+    train(small_config("run.max_num_steps=4"), run)  # a resume
+    assert audit_run_dir(run).ok
+    events = run / "events.jsonl"
+    lines = events.read_text().splitlines(keepends=True)
+    (number,) = [i for i, line in enumerate(lines, start=1) if '"event":"resume"' in line]
+    torn = events.read_text() + '{"event":"sig'  # a kill mid-write: tolerated
+    events.write_text(torn)
+    assert audit_run_dir(run).ok
+    lines[number - 1] = lines[number - 1].replace('"kept_groups"', '"kept_groups', 1)
+    events.write_text("".join(lines))
+    report = audit_run_dir(run)
+    assert not report.ok
+    assert report.violations[0].startswith(f"damaged record: events.jsonl:{number}: not a JSON")
+
+
+def test_a_log_reopened_after_a_kill_mid_write_drops_the_torn_record(tmp_path):
+    from asyncrl.train.records import JsonlLog, read_jsonl_checked
+
+    path = tmp_path / "metrics.jsonl"
+    path.write_text('{"step":0}\n{"step":1,"lo')  # killed while writing step 1
+    log = JsonlLog(path)
+    log.write({"step": 1})
+    log.close()
+    assert path.read_text() == '{"step":0}\n{"step":1}\n'
+    assert read_jsonl_checked(path) == ([{"step": 0}, {"step": 1}], [])

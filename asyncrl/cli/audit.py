@@ -16,7 +16,7 @@ from typing import Any
 
 import yaml
 
-from asyncrl.train.records import latest_records, read_jsonl
+from asyncrl.train.records import latest_records, read_jsonl_checked
 
 
 @dataclass
@@ -137,13 +137,23 @@ def _partials_regenerated(resume: dict[str, Any], timeline: list[dict[str, Any]]
 
 
 def audit_run_dir(run_dir: Path) -> AuditReport:
+    """I1 and I3 from the run's records. A damaged record (an undecodable line other than a
+    torn last one) is a violation naming its file and line: the check it carried (a resume's
+    kept groups, a step's ordinals) cannot be made, so the audit cannot pass."""
     config = yaml.safe_load((run_dir / "config.yaml").read_text())
-    return audit_records(
-        read_jsonl(run_dir / "metrics.jsonl"),
-        read_jsonl(run_dir / "events.jsonl"),
-        read_jsonl(run_dir / "timeline.jsonl"),
+    read = {name: read_jsonl_checked(run_dir / f"{name}.jsonl") for name in FILES}
+    report = audit_records(
+        read["metrics"][0],
+        read["events"][0],
+        read["timeline"][0],
         int(config["rollout"]["num_prompts_per_step"]),
     )
+    report.violations[:0] = [f"damaged record: {p}" for name in FILES for p in read[name][1]]
+    return report
+
+
+FILES = ("metrics", "events", "timeline")
+"""The records `audit` reads, as `NAME.jsonl`."""
 
 
 def format_report(report: AuditReport, run_dir: Path, limit: int = 20) -> str:

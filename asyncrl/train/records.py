@@ -33,11 +33,9 @@ class JsonlLog:
 
     def __init__(self, path: Path) -> None:
         self.path = path
-        torn = path.exists() and path.stat().st_size > 0 and not _ends_with_newline(path)
+        if path.exists() and path.stat().st_size > 0 and not _ends_with_newline(path):
+            _drop_torn_line(path)  # a kill mid-write left a partial record: it never was one
         self._file = path.open("a", encoding="utf-8")
-        if torn:  # a kill mid-write left a partial last line: never glue a record onto it
-            self._file.write("\n")
-            self._file.flush()
         self._lock = threading.Lock()
 
     def write(self, record: dict[str, Any]) -> None:
@@ -51,6 +49,14 @@ class JsonlLog:
     def close(self) -> None:
         with self._lock:
             self._file.close()
+
+
+def _drop_torn_line(path: Path) -> None:
+    """Cuts the file after its last newline, so that the only line a reader may find torn is
+    the last one (any other undecodable line is damage, which `asyncrl audit` reports)."""
+    with path.open("rb+") as f:
+        data = f.read()
+        f.truncate(data.rfind(b"\n") + 1)
 
 
 def _ends_with_newline(path: Path) -> bool:
@@ -84,16 +90,36 @@ class TensorBoardSink:
 
 
 def read_jsonl(path: Path) -> list[dict[str, Any]]:
-    """Reads a JSON-lines file; a torn last line (from a kill mid-write) is ignored."""
+    """Reads a JSON-lines file; a torn last line (from a kill mid-write) is ignored, and so is
+    any other undecodable line (`read_jsonl_checked` names those)."""
+    return read_jsonl_checked(path)[0]
+
+
+def read_jsonl_checked(path: Path) -> tuple[list[dict[str, Any]], list[str]]:
+    """The records of a JSON-lines file, and a `FILE:LINE: ...` problem for every line that is
+    not a JSON object, except a torn last line (no newline after it: a kill mid-write). Lines
+    are counted from 1."""
     records: list[dict[str, Any]] = []
+    problems: list[str] = []
     if not path.exists():
-        return records
-    for line in path.read_text(encoding="utf-8").splitlines():
-        try:
-            records.append(json.loads(line))
-        except json.JSONDecodeError:
+        return records, problems
+    data = path.read_bytes()
+    lines = data.split(b"\n")
+    torn_last = not data.endswith(b"\n")
+    for number, raw in enumerate(lines, start=1):
+        if not raw.strip():
             continue
-    return records
+        try:
+            record = json.loads(raw)
+        except (json.JSONDecodeError, UnicodeDecodeError) as err:
+            if not (torn_last and number == len(lines)):
+                problems.append(f"{path.name}:{number}: not a JSON record ({err})")
+            continue
+        if isinstance(record, dict):
+            records.append(record)
+        else:
+            problems.append(f"{path.name}:{number}: not a JSON object")
+    return records, problems
 
 
 def latest_records(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
