@@ -141,6 +141,33 @@ def test_a_checkpoint_torn_on_one_rank_only_is_never_loaded(tmp_path, repo_root,
     assert audit(run).returncode == 0
 
 
+def test_a_rank_file_without_its_rows_is_judged_before_loading_and_skipped(
+    tmp_path, repo_root, two_rank_run
+):
+    """A rank file that hashes as its manifest says but lacks a tensor's rows (a writer's bug,
+    not a torn write) is refused by the coherence check, so the resume falls back to the
+    older checkpoint (I4); it used to pass `latest()` and stop the launch in `decode`."""
+    import hashlib
+
+    from safetensors.torch import save_file
+
+    run = tmp_path / "run"
+    shutil.copytree(two_rank_run, run)
+    newest = run / "checkpoints" / f"step_{STEPS:06d}"
+    wrong = newest / "model.rank_001.safetensors"
+    held = load_file(wrong)
+    dropped = sorted(held)[0]
+    save_file({k: v for k, v in held.items() if k != dropped}, wrong)
+    manifest = json.loads((newest / "manifest.json").read_text())
+    data = wrong.read_bytes()
+    manifest["files"][wrong.name] = {"bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+    (newest / "manifest.json").write_text(json.dumps(manifest))
+    out = short_run(run, repo_root, STEPS, TWO)
+    assert "skipping checkpoint" in out and f"rank 1's rows of {dropped}" in out, out
+    assert f"resumed at step {STEPS - 3}" in out, out
+    assert audit(run).returncode == 0
+
+
 def weights(model_dir: Path) -> dict[str, torch.Tensor]:
     return load_file(model_dir / "model.safetensors")
 

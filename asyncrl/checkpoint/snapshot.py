@@ -39,7 +39,10 @@ from asyncrl.checkpoint.legacy import json_parts_from_v1, parts_from_v1
 from asyncrl.checkpoint.shards import (
     ShardedFile,
     missing_rank_files,
+    rank_file,
     resolve_tensors,
+    shard_range,
+    sharded_shapes,
     tensor_leaves,
 )
 from asyncrl.checkpoint.store import (
@@ -340,6 +343,36 @@ def check_tensor_files(verified: Verified, parts: dict[str, Any]) -> None:
                 f"{verified.path / file}: lacks {len(missing)} tensors of part {part!r} "
                 f"(first: {missing[0]})"
             )
+    if num_shards > 1:
+        _check_rank_rows(verified, parts, num_shards)
+
+
+def _check_rank_rows(verified: Verified, parts: dict[str, Any], num_shards: int) -> None:
+    """Every rank's file (rank 0's: the main one) holds each sharded tensor its state names
+    with that rank's rows (`shard_range`), so a wrong rank file is judged here, where a resume
+    falls back to an older checkpoint, and not first when it is loaded. Headers only."""
+    for file in (MODEL_FILE, STATE_FILE):
+        shapes = {
+            name: shape
+            for part, tree in parts.items()
+            if (MODEL_FILE if part == MODEL_PART else STATE_FILE) == file
+            for name, shape in sharded_shapes(tree).items()
+        }
+        for rank in range(num_shards):
+            path = verified.path / rank_file(file, rank)
+            try:
+                with safe_open(path, "pt") as f:
+                    held = {k: list(f.get_slice(k).get_shape()) for k in f.keys()}  # noqa: SIM118
+            except (OSError, SafetensorError, ValueError) as err:
+                raise CheckpointError(f"{path}: tensors unreadable ({err})") from None
+            for name, shape in shapes.items():
+                lo, hi = shard_range(shape[0], rank, num_shards)
+                want = [hi - lo, *shape[1:]]
+                if held.get(name) != want:
+                    got = "lacks it" if name not in held else f"holds {held[name]}"
+                    raise CheckpointError(
+                        f"{path}: rank {rank}'s rows of {name} should be {want}, the file {got}"
+                    )
 
 
 def check_cut(parts: dict[str, Any], num_prompts_per_step: int, capacity: int) -> None:
