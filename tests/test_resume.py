@@ -172,3 +172,26 @@ def test_a_resume_on_changed_data_is_refused_naming_the_file_and_both_counts(tmp
     write(rows)  # negative control: the original rows resume and finish
     train(config(4), run)
     assert [r["step"] for r in read_records(run / "metrics.jsonl")] == [0, 1, 2, 3]
+
+
+def test_a_resume_reads_no_record_file_for_its_attempt_and_wall_clock(tmp_path, monkeypatch):
+    """What a launch needs lives in `run.json` (launches so far) and in the checkpoint (the
+    wall-clock offset): it used to read events.jsonl and metrics.jsonl whole every time."""
+    import json
+
+    import asyncrl.train.rundir as rundir_module
+    import asyncrl.train.trainer as trainer_module
+
+    run = tmp_path / "run"
+    train(small_config("run.max_num_steps=2"), run)
+    assert json.loads((run / "run.json").read_text())["launches"] == 1
+
+    def no_reading(path):
+        raise AssertionError(f"read {path}")
+
+    monkeypatch.setattr(rundir_module, "read_jsonl", no_reading)
+    monkeypatch.setattr(trainer_module, "read_jsonl", no_reading)
+    train(small_config("run.max_num_steps=4"), run)
+    records = {r["step"]: r for r in read_records(run / "metrics.jsonl")}
+    assert records[2]["attempt"] == 1 and records[2]["wall_s"] > records[1]["wall_s"]
+    assert json.loads((run / "run.json").read_text())["launches"] == 2

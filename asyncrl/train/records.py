@@ -19,6 +19,7 @@ from asyncrl.core.types import Group
 from asyncrl.train.trackers import MlflowSink, WandbSink
 
 if TYPE_CHECKING:
+    from asyncrl.core.resume import ResumePlan
     from asyncrl.rollout.collector import Chunk
 
 
@@ -153,6 +154,38 @@ def generation_span(chunk: Chunk, attempt: int) -> dict[str, Any]:
         "token_counts": chunk.token_counts,
         "landed": chunk.landed,
     }
+
+
+def plan_fields(
+    plan: ResumePlan, continued: dict[int, tuple[list[int], list[bool]]]
+) -> dict[str, Any]:
+    """The `resume` event's account of a resume plan: what was kept, redone, skipped."""
+    return {
+        "policy": plan.policy,
+        "kept_groups": plan.kept,
+        "reissued_ordinals": [k for k, _ in plan.redispatched],
+        "skipped_ordinals": plan.skipped,
+        "discarded_groups": plan.discarded,
+        "refilled_targets": plan.fills,
+        "kept_tokens": plan.kept_tokens,
+        "regenerated_tokens": plan.regenerated_tokens,
+        "continued_partials": {
+            str(k): {"lengths": lengths, "finished": finished}
+            for k, (lengths, finished) in sorted(continued.items())
+        }
+        if plan.policy == "lossless"
+        else {},
+    }
+
+
+def resume_line(step: int, attempt: int, plan: ResumePlan) -> str:
+    return (
+        f"asyncrl: resumed at step {step} (attempt {attempt}, {plan.policy}): kept "
+        f"{len(plan.kept)} buffered groups, re-dispatched {len(plan.redispatched)} in-flight "
+        f"prompts, skipped {len(plan.skipped)} prompts, discarded {len(plan.discarded)} "
+        f"finished groups; generated tokens kept {plan.kept_tokens}, to regenerate "
+        f"{plan.regenerated_tokens}"
+    )
 
 
 def tokens_digest(groups: list[Group]) -> str:

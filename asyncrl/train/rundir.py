@@ -86,8 +86,23 @@ def _write_atomically(path: Path, text: str) -> None:
     os.rename(tmp, path)
 
 
-def _write_run_json(path: Path, run_id: str) -> None:
-    _write_atomically(path / "run.json", json.dumps({"run_id": run_id}) + "\n")
+def _write_run_json(path: Path, run_id: str, launches: int = 0) -> None:
+    record = {"run_id": run_id, "launches": launches}
+    _write_atomically(path / "run.json", json.dumps(record) + "\n")
+
+
+def _launches(path: Path) -> int:
+    """Launches that started training so far (the next one's `attempt`): `run.json` keeps the
+    count, so a launch reads no record file; a run dir from before counts its `start` events."""
+    launches = json.loads((path / "run.json").read_text()).get("launches")
+    if launches is not None:
+        return int(launches)
+    return sum(1 for e in read_jsonl(path / "events.jsonl") if e.get("event") == "start")
+
+
+def record_launch(run: RunDir) -> None:
+    """Counts this launch in `run.json`, just before its `start` event."""
+    _write_run_json(run.path, run.run_id, run.attempt + 1)
 
 
 def open_run_dir(
@@ -102,8 +117,7 @@ def open_run_dir(
     except OSError as err:
         raise _os_error(path, "cannot create the run dir or write in it", err) from None
     try:
-        starts = [e for e in read_jsonl(path / "events.jsonl") if e.get("event") == "start"]
-        run = RunDir(path=path, run_id=run_id, attempt=len(starts), lock=lock)
+        run = RunDir(path=path, run_id=run_id, attempt=_launches(path), lock=lock)
         _find_checkpoint(run, config, restart, force_config)
         _write_atomically(path / "config.yaml", dump_config(config))  # the last launch's
     except OSError as err:

@@ -58,11 +58,19 @@ from asyncrl.train.records import (
     RunLogs,
     generation_span,
     latest_records,
+    plan_fields,
     read_jsonl,
+    resume_line,
     step_record,
     unix_time,
 )
-from asyncrl.train.rundir import SCRATCH_DIR, RunDir, open_run_dir, refuse_other_data
+from asyncrl.train.rundir import (
+    SCRATCH_DIR,
+    RunDir,
+    open_run_dir,
+    record_launch,
+    refuse_other_data,
+)
 from asyncrl.train.signals import Preempted, StopRequest
 
 STAGED_IN_BACKGROUND = ("model", "algorithm", "generation")
@@ -108,6 +116,7 @@ class Trainer:
         self.step = 0
         self.attempt = run.attempt
         self.last_saved_step = -1
+        self._wall_s: float | None = None  # `wall_s` of the last step record; a resume's offset
         self.continued: dict[int, tuple[list[int], list[bool]]] = {}
         self._start_s = time.perf_counter()
         self.staging = StagingArea(
@@ -143,11 +152,14 @@ class Trainer:
             "weights_version": self.step,
             "attempt": self.attempt,
             "run_id": self.run.run_id,
+            "wall_s": self._wall_s,
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.step = int(state["step"])
         self.last_saved_step = self.step
+        if state.get("wall_s") is not None:  # else (older checkpoints) the records are scanned
+            self._wall_s = float(state["wall_s"])
 
     def capture(self) -> tuple[Cut, float]:
         """The run's consistent cut, staged into this trainer's reused buffers (the parts of
@@ -232,33 +244,14 @@ class Trainer:
             attempt=self.attempt,
             from_step=self.step,
             cursor=cursor,
-            policy=plan.policy,
-            kept_groups=plan.kept,
-            reissued_ordinals=[k for k, _ in plan.redispatched],
-            skipped_ordinals=plan.skipped,
-            discarded_groups=plan.discarded,
-            refilled_targets=plan.fills,
-            kept_tokens=plan.kept_tokens,
-            regenerated_tokens=plan.regenerated_tokens,
-            continued_partials={
-                str(k): {"lengths": lengths, "finished": finished}
-                for k, (lengths, finished) in sorted(self.continued.items())
-            }
-            if plan.policy == "lossless"
-            else {},
+            **plan_fields(plan, self.continued),
             rejected_checkpoints=self.run.rejected,
             config_changes=benign_differences(saved_config, self.config),
             forced_config_changes=self.run.forced_changes,
             load_s=load_s,
             **({"skipped_restore": sorted(SKIP_RESTORE)} if SKIP_RESTORE else {}),
         )
-        print(
-            f"asyncrl: resumed at step {self.step} (attempt {self.attempt}, {plan.policy}): kept "
-            f"{len(plan.kept)} buffered groups, re-dispatched {len(plan.redispatched)} in-flight "
-            f"prompts, skipped {len(plan.skipped)} prompts, discarded {len(plan.discarded)} "
-            f"finished groups; generated tokens kept {plan.kept_tokens}, to regenerate "
-            f"{plan.regenerated_tokens}"
-        )
+        print(resume_line(self.step, self.attempt, plan))
 
     # --- the loop -------------------------------------------------------------------------
 
@@ -266,6 +259,7 @@ class Trainer:
         """Trains to `run.max_num_steps` and saves the final model. Raises `Preempted`
         after writing a checkpoint if a stop signal arrived."""
         self.resume()
+        record_launch(self.run)
         self.logs.events.emit(
             "start",
             attempt=self.attempt,
@@ -314,7 +308,9 @@ class Trainer:
 
     def _wall_offset(self) -> float:
         """Wall seconds the run had spent up to the resumed step, so `wall_s` keeps counting
-        across attempts."""
+        across attempts: the checkpoint's (the last step record's `wall_s` before it)."""
+        if self._wall_s is not None or not self.step:
+            return self._wall_s or 0.0
         earlier = [r for r in read_jsonl(self.run_dir / "metrics.jsonl") if r["step"] < self.step]
         return max((r["wall_s"] for r in latest_records(earlier)), default=0.0)
 
@@ -378,6 +374,7 @@ class Trainer:
             **evaluated,
         )
         self.logs.write_step(record)
+        self._wall_s = record["wall_s"]
         self.step = step + 1
         return record
 
