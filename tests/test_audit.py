@@ -104,3 +104,9 @@ def test_a_log_reopened_after_a_kill_mid_write_drops_the_torn_record(tmp_path):
     log.close()
     assert path.read_text() == '{"step":0}\n{"step":1}\n'
     assert read_jsonl_checked(path) == ([{"step": 0}, {"step": 1}], [])
+    path.write_text('{"step":0}\n{"step":1}')  # whole, killed before its newline: kept
+    JsonlLog(path).close()
+    assert path.read_text() == '{"step":0}\n{"step":1}\n'
+    # a run dir written before relaunches cut torn records off: one ended by a newline
+    path.write_text('{"step":0}\n{"step":1,"lo\n{"step":1}\n')
+    assert read_jsonl_checked(path) == ([{"step": 0}, {"step": 1}], [])

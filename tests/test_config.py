@@ -160,3 +160,12 @@ def test_docs_config_reference_is_generated_from_the_field_docstrings(repo_root)
     )
     for key in config_keys():
         assert f"`{key}`" in reference
+
+
+def test_each_algorithms_options_are_the_registered_ones():
+    """`config/algos.py` registers every algorithm's keys torch-free; the class a run builds
+    must carry the same `Options`, or a config would validate other keys than it trains."""
+    from asyncrl.algos import algorithm_class
+
+    for name in algorithm_names():
+        assert algorithm_class(name).Options is options_class(name), name

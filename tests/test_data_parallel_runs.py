@@ -342,13 +342,18 @@ def test_a_torchrun_world_size_other_than_num_processes_is_refused(monkeypatch):
             launch(small_config(f"train.num_processes={ranks}"))
 
 
-def test_a_process_can_launch_two_ranked_runs_one_after_the_other(tmp_path):
+def test_a_process_can_launch_two_ranked_runs_one_after_the_other(tmp_path, monkeypatch):
     """Rank 0 is the calling process (`train()` in Python, not the CLI): its environment is
     left as it was, so a second launch starts its own ranks again."""
+    import tempfile
+
     from helpers import small_config
 
     from asyncrl.train.trainer import train
 
+    tmp = tmp_path / "tmp"  # the system's temporary directory, for this test
+    tmp.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp))
     config = small_config(TWO, "run.max_num_steps=2", "checkpoint.save_period=2")
     train(config, tmp_path / "run")
     assert "RANK" not in os.environ and "MASTER_PORT" not in os.environ
@@ -356,6 +361,7 @@ def test_a_process_can_launch_two_ranked_runs_one_after_the_other(tmp_path):
     records = read_records(tmp_path / "run" / "metrics.jsonl")
     assert [r["step"] for r in records] == [0, 1, 2]
     wait_for_no_rank_processes(os.getpid())  # this process was rank 0
+    assert (tmp_path / "run" / ".scratch").is_dir() and not list(tmp.iterdir())  # run dir's
     assert not list((tmp_path / "run" / ".scratch").glob("asyncrl-ranks-*"))  # rendezvous gone
     # the run evaluated the full weights it published: `asyncrl eval` of its final checkpoint
     # (whole tensors from both ranks' files) gives the same numbers

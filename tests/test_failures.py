@@ -79,10 +79,15 @@ def test_a_thread_that_keeps_dying_stops_the_run_within_the_failure_limit(tmp_pa
         train(config, tmp_path / "run")
 
 
-def test_a_batch_whose_engine_raises_system_exit_is_a_counted_failure(tmp_path, monkeypatch):
+def test_a_batch_whose_engine_raises_system_exit_is_a_counted_failure(
+    tmp_path, monkeypatch, capsys
+):
     flaky_generate(monkeypatch, {2}, SystemExit("a helper called sys.exit"))
     run = tmp_path / "run"
     train(small_config("run.max_num_steps=5"), run)
+    out = capsys.readouterr().out  # a reported batch failure, not a thread that died
+    assert "generation failed (1 in a row): a helper called sys.exit" in out, out
+    assert "generation thread died" not in out
     assert read_records(run / "metrics.jsonl")[-1]["generation_failures"] == 1
     assert audit_run_dir(run).ok
 

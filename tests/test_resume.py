@@ -172,6 +172,12 @@ def test_a_resume_on_changed_data_is_refused_naming_the_file_and_both_counts(tmp
     write(rows)  # negative control: the original rows resume and finish
     train(config(4), run)
     assert [r["step"] for r in read_records(run / "metrics.jsonl")] == [0, 1, 2, 3]
+    write(rows + rows[:4])  # forced: trains on, the change on the record
+    train(config(5), run, force_config=True)
+    resume = [e for e in read_records(run / "events.jsonl") if e["event"] == "resume"][-1]
+    (forced,) = resume["forced_config_changes"]
+    assert forced.startswith("data: the checkpoint was cut on 64 examples")
+    assert "the data now has 68" in forced
 
 
 def test_a_resume_reads_no_record_file_for_its_attempt_and_wall_clock(tmp_path, monkeypatch):

@@ -72,7 +72,7 @@ def verified_checkpoint(run_dir: Path, name: str | None = None) -> Verified:
     latest, rejected = store.latest()
     if latest is None:
         why = "".join(f"\n  rejected: {reason}" for reason in rejected)
-        raise RunCheckpointsError(f"{run_dir}: no verified checkpoint to export{why}")
+        raise RunCheckpointsError(f"{run_dir}: no verified checkpoint to export or evaluate{why}")
     return latest
 
 

@@ -352,12 +352,15 @@ def _check_rank_rows(verified: Verified, parts: dict[str, Any], num_shards: int)
     with that rank's rows (`shard_range`), so a wrong rank file is judged here, where a resume
     falls back to an older checkpoint, and not first when it is loaded. Headers only."""
     for file in (MODEL_FILE, STATE_FILE):
-        shapes = {
-            name: shape
-            for part, tree in parts.items()
-            if (MODEL_FILE if part == MODEL_PART else STATE_FILE) == file
-            for name, shape in sharded_shapes(tree).items()
-        }
+        try:
+            shapes = {
+                name: [int(d) for d in shape]
+                for part, tree in parts.items()
+                if (MODEL_FILE if part == MODEL_PART else STATE_FILE) == file
+                for name, shape in sharded_shapes(tree).items()
+            }
+        except (KeyError, TypeError, ValueError) as err:
+            raise CheckpointError(f"{verified.path}: state is malformed ({err!r})") from None
         for rank in range(num_shards):
             path = verified.path / rank_file(file, rank)
             try:
@@ -366,7 +369,7 @@ def _check_rank_rows(verified: Verified, parts: dict[str, Any], num_shards: int)
             except (OSError, SafetensorError, ValueError) as err:
                 raise CheckpointError(f"{path}: tensors unreadable ({err})") from None
             for name, shape in shapes.items():
-                lo, hi = shard_range(shape[0], rank, num_shards)
+                lo, hi = shard_range(shape[0] if shape else 0, rank, num_shards)
                 want = [hi - lo, *shape[1:]]
                 if held.get(name) != want:
                     got = "lacks it" if name not in held else f"holds {held[name]}"

@@ -376,8 +376,8 @@ class LoggingConfig:
     tensorboard: bool = field(default=False, metadata=MAY_CHANGE)
     """Also write every metric as TensorBoard scalars under `RUN_DIR/tensorboard/`."""
     plot: bool = field(default=True, metadata=MAY_CHANGE)
-    """At the end of the run, write `reward_curve.png` and the four `plots/` PNGs of
-    `asyncrl plot`."""
+    """At the end of the run, `asyncrl train` writes `reward_curve.png` and the four `plots/`
+    PNGs of `asyncrl plot` (from Python: `asyncrl.cli.report.end_of_run_report`)."""
     wandb: bool = field(default=False, metadata=MAY_CHANGE)
     """Also log every metric to Weights & Biases (`pip install wandb`; files under
     `RUN_DIR/wandb/`, `WANDB_MODE` honoured); a resume continues the same W&B run."""

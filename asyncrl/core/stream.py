@@ -88,6 +88,7 @@ class PromptStream:
             raise ValueError("the prompt stream needs at least one dataset row")
         self.num_rows = num_rows
         self.data_sha256 = data_sha256
+        self._other_data_allowed = False
         self.num_prompts_per_step = num_prompts_per_step
         self.seed = seed
         self.cursor = 0
@@ -143,7 +144,12 @@ class PromptStream:
                 f"{self.data_sha256[:16] or '?'})"
             )
 
+    def allow_other_data(self) -> None:
+        """The next `load_state_dict` takes a state cut on other rows (`--force-config`)."""
+        self._other_data_allowed = True
+
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.check_same_data(state)
+        if not self._other_data_allowed:
+            self.check_same_data(state)
         self.cursor = int(state["cursor"])
         self.schedule.load_state_dict(state["schedule"])

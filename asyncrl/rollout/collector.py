@@ -139,6 +139,7 @@ class Collector:
         self._cond = threading.Condition()
         self._stop = False
         self._error: BaseException | None = None
+        self._died: BaseException | None = None  # what ended the generation thread last
         self._thread = threading.Thread(target=self._run, name="asyncrl-collector", daemon=True)
 
     def start(self) -> None:
@@ -206,6 +207,13 @@ class Collector:
             return []
 
     def _run(self) -> None:
+        try:
+            self._batches()
+        except BaseException as err:  # the thread dies: `ensure_running` restarts it, counted
+            self._died = err
+            raise
+
+    def _batches(self) -> None:
         """Generates batch after batch. A failed batch goes back to the front of the queue and
         is tried again; `max_failures` failures in a row stop generation for good."""
         while tickets := self._admit():
@@ -236,9 +244,12 @@ class Collector:
             self.ledger.fail(list(self.ledger.in_flight.values()))
         self.num_failures += 1
         self._consecutive_failures += 1
-        print(f"asyncrl: the generation thread died ({self._consecutive_failures} in a row)")
+        print(
+            f"asyncrl: the generation thread died ({self._consecutive_failures} in a row): "
+            f"{self._died!r}"
+        )
         if self._consecutive_failures >= self.max_failures:
-            self._error = RuntimeError("the generation thread died")
+            self._error = RuntimeError(f"the generation thread died: {self._died!r}")
             return
         self._thread = threading.Thread(target=self._run, name="asyncrl-collector", daemon=True)
         self._thread.start()
@@ -299,7 +310,10 @@ class Collector:
     def _newest(self) -> int | None:
         """The newest published version, as `publish_version` announced it (None without
         `weights`: the engine's newest)."""
-        return None if self.weights is None else self._version
+        if self.weights is None:
+            return None
+        # the sync may already hold (only) the next version while its announcement is on its way
+        return self._version if self.weights.has(self._version) else self.weights.newest()
 
     def _chunk(
         self, tickets: list[PromptTicket], partials: dict[int, Partial], version: int | None

@@ -53,7 +53,7 @@ def examples_sha256(examples: list[Example]) -> str:
     digest = hashlib.sha256()
     for e in examples:
         row = [e.prompt, e.answer, list(e.messages) if e.messages is not None else None]
-        digest.update(json.dumps(row, ensure_ascii=False, sort_keys=True).encode())
+        digest.update(json.dumps(row, sort_keys=True).encode())
         digest.update(b"\n")
     return digest.hexdigest()
 

@@ -105,6 +105,8 @@ def build_components(
     if rollout.backend == "threads":  # on Ray the device is the workers' (checked there)
         resolve_device("rollout.device", rollout.device)
     task, policy, build_algorithm = build_trainer_side(config, ranks, device)
+    # a prompt the model cannot take is refused here, before any engine or worker starts
+    prompts = encode_prompts(task, policy.tokenizer, rollout.max_new_tokens, policy.max_seq_len)
     stream = PromptStream(
         len(task.examples),
         rollout.num_prompts_per_step,
@@ -130,7 +132,7 @@ def build_components(
         ledger=ledger,
         buffer=buffer,
         engine=engine,
-        prompts=encode_prompts(task, policy.tokenizer, rollout.max_new_tokens, policy.max_seq_len),
+        prompts=prompts,
         scorer=scorer.score,
         num_generations=rollout.num_generations_per_prompt,
         window=rollout.max_trajectory_age_steps,

@@ -53,11 +53,36 @@ class JsonlLog:
 
 
 def _drop_torn_line(path: Path) -> None:
-    """Cuts the file after its last newline, so that the only line a reader may find torn is
-    the last one (any other undecodable line is damage, which `asyncrl audit` reports)."""
+    """Ends an unterminated last line: a record torn by a kill mid-write is cut off (it never
+    was one), a whole one gets its newline. Reads only the file's tail."""
     with path.open("rb+") as f:
-        data = f.read()
-        f.truncate(data.rfind(b"\n") + 1)
+        end = f.seek(0, 2)
+        start = end
+        while start > 0:  # back to the last newline, a block at a time
+            start = max(0, start - 65536)
+            f.seek(start)
+            cut = f.read(end - start).rfind(b"\n")
+            if cut >= 0:
+                start += cut + 1
+                break
+        f.seek(start)
+        if _torn(f.read(end - start)):
+            f.truncate(start)
+        else:
+            f.seek(end)
+            f.write(b"\n")
+
+
+def _torn(raw: bytes) -> bool:
+    """A line that is the start of a JSON record cut short (what a kill mid-write leaves):
+    it fails to decode only because its text ran out."""
+    try:
+        json.loads(raw)
+    except json.JSONDecodeError as err:  # an open string reports where it began
+        return err.pos >= len(raw.rstrip()) or err.msg.startswith("Unterminated string")
+    except UnicodeDecodeError:  # a multi-byte character cut in two
+        return True
+    return False
 
 
 def _ends_with_newline(path: Path) -> bool:
@@ -98,8 +123,9 @@ def read_jsonl(path: Path) -> list[dict[str, Any]]:
 
 def read_jsonl_checked(path: Path) -> tuple[list[dict[str, Any]], list[str]]:
     """The records of a JSON-lines file, and a `FILE:LINE: ...` problem for every line that is
-    not a JSON object, except a torn last line (no newline after it: a kill mid-write). Lines
-    are counted from 1."""
+    not a JSON object, except a torn one (a record cut short by a kill mid-write: the last
+    line, or, in a run dir written before relaunches cut them off, a line a relaunch ended).
+    Lines are counted from 1."""
     records: list[dict[str, Any]] = []
     problems: list[str] = []
     if not path.exists():
@@ -113,7 +139,7 @@ def read_jsonl_checked(path: Path) -> tuple[list[dict[str, Any]], list[str]]:
         try:
             record = json.loads(raw)
         except (json.JSONDecodeError, UnicodeDecodeError) as err:
-            if not (torn_last and number == len(lines)):
+            if not (torn_last and number == len(lines)) and not _torn(raw):
                 problems.append(f"{path.name}:{number}: not a JSON record ({err})")
             continue
         if isinstance(record, dict):

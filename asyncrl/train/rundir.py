@@ -47,6 +47,7 @@ class RunDir:
     rejected: list[str] = field(default_factory=list)
     lock: IO[str] | None = None
     forced_changes: list[str] = field(default_factory=list)
+    force_config: bool = False
 
     @functools.cached_property
     def store(self) -> CheckpointStore:
@@ -117,7 +118,7 @@ def open_run_dir(
     except OSError as err:
         raise _os_error(path, "cannot create the run dir or write in it", err) from None
     try:
-        run = RunDir(path=path, run_id=run_id, attempt=_launches(path), lock=lock)
+        run = RunDir(path, run_id, _launches(path), lock=lock, force_config=force_config)
         _find_checkpoint(run, config, restart, force_config)
         _write_atomically(path / "config.yaml", dump_config(config))  # the last launch's
     except OSError as err:
@@ -200,14 +201,23 @@ def _find_checkpoint(run: RunDir, config: Config, restart: bool, force_config: b
             )
 
 
-def refuse_other_data(latest: Verified, stream: PromptStream, data: DataConfig) -> None:
+def refuse_other_data(run: RunDir, stream: PromptStream, data: DataConfig) -> None:
     """I8: a checkpoint's ordinals index the rows it was cut on; a resume on other rows (their
-    count or content changed) is refused naming the data key, before any tensor is read."""
+    count or content changed) is refused naming the data key, before any tensor is read, unless
+    `--force-config` (then the change is recorded with the other forced ones)."""
+    assert run.latest is not None
     try:
-        stream.check_same_data(read_parts(latest)[0]["stream"])
+        stream.check_same_data(read_parts(run.latest)[0]["stream"])
     except DataChanged as err:
         key = f"data.path={data.path}" if data.path else f"data.task={data.task}"
+        if run.force_config:
+            run.forced_changes.append(f"data: {err}")
+            stream.allow_other_data()
+            print(f"asyncrl: resuming on other data ({key}), as --force-config asks: {err}")
+            return
         raise RunDirError(
-            f"{latest.path.parent.parent}: cannot resume step {latest.step} on other data "
-            f"({key}): {err}. Restore the data the run was started on, or start a new --run-dir."
+            f"{run.path}: cannot resume step {run.latest.step} on other data ({key}): {err}. "
+            "Restore the data the run was started on, pass --force-config to train the "
+            "remaining steps on the new rows (the same ordinals then index other prompts), or "
+            "start a new --run-dir."
         ) from None

@@ -203,7 +203,7 @@ class Trainer:
                 print(f"asyncrl: no verified checkpoint; from step 0 (attempt {self.attempt})")
             return
         start = time.perf_counter()
-        refuse_other_data(self.run.latest, self.parts.stream, self.config.data)  # I8
+        refuse_other_data(self.run, self.parts.stream, self.config.data)  # I8
         snapshot = self._decode_latest(self.run.latest)
         cursor = int(snapshot.parts["stream"]["cursor"])
         saved_config = snapshot.config
