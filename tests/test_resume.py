@@ -178,6 +178,15 @@ def test_a_resume_on_changed_data_is_refused_naming_the_file_and_both_counts(tmp
     (forced,) = resume["forced_config_changes"]
     assert forced.startswith("data: the checkpoint was cut on 64 examples")
     assert "the data now has 68" in forced
+    # forced onto rows with a character the tiny preset's vocabulary lacks: an I6 message
+    # with the shapes (it was a RuntimeError traceback from load_state_dict)
+    write(rows + [{"prompt": "9x=", "answer": "x9"}] * 20)
+    with pytest.raises(
+        RunDirError,
+        match=r"model.embed_tokens.weight is \[14, 128\] there, "
+        r"\[16, 128\] here.*tiny preset's vocabulary is the data's characters",
+    ):
+        train(config(6), run, force_config=True)
 
 
 def test_a_resume_reads_no_record_file_for_its_attempt_and_wall_clock(tmp_path, monkeypatch):

@@ -4,6 +4,7 @@ trainer rank alike), with the test-only hook that leaves pieces of state unresto
 from __future__ import annotations
 
 import os
+import re
 
 from asyncrl.checkpoint.snapshot import Snapshot, Stateful
 from asyncrl.checkpoint.store import CheckpointError
@@ -44,3 +45,28 @@ def load_parts(parts: dict[str, Stateful], snapshot: Snapshot) -> None:
             part.load_state_dict(state)
         except CheckpointError as err:
             raise CheckpointError(f"the checkpoint of step {snapshot.step}: {err}") from None
+        except RuntimeError as err:  # torch's load_state_dict: tensors of another shape
+            mismatches = re.findall(
+                r"size mismatch for (\S+): copying a param with shape "
+                r"torch.Size\((\[.*?\])\) from checkpoint, the shape in "
+                r"current model is torch.Size\((\[.*?\])\)",
+                str(err),
+            )
+            if not mismatches:
+                raise
+            raise ShapeMismatch(name, snapshot.step, mismatches) from None
+
+
+class ShapeMismatch(CheckpointError):
+    """A part's tensors in the checkpoint have other shapes than this run's (a model built
+    from another config or vocabulary): a mistake in the launch, not a damaged checkpoint."""
+
+    def __init__(self, part: str, step: int, mismatches: list[tuple[str, str, str]]) -> None:
+        self.part = part
+        shown = "; ".join(
+            f"{key} is {saved} there, {now} here" for key, saved, now in mismatches[:3]
+        )
+        more = f" (and {len(mismatches) - 3} more)" if len(mismatches) > 3 else ""
+        super().__init__(
+            f"the checkpoint of step {step} holds a {part} of other shapes: {shown}{more}"
+        )

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO
 
+from asyncrl.checkpoint.restore import ShapeMismatch
 from asyncrl.checkpoint.run_checkpoints import run_store
 from asyncrl.checkpoint.snapshot import read_parts
 from asyncrl.checkpoint.store import (
@@ -23,7 +24,7 @@ from asyncrl.checkpoint.store import (
     UnsupportedCheckpointFormat,
     Verified,
 )
-from asyncrl.config import Config, DataConfig
+from asyncrl.config import Config, DataConfig, ModelConfig
 from asyncrl.config.keys import dump_config, resume_rule, semantic_differences
 from asyncrl.core.stream import DataChanged, PromptStream
 from asyncrl.train.records import read_jsonl
@@ -221,3 +222,19 @@ def refuse_other_data(run: RunDir, stream: PromptStream, data: DataConfig) -> No
             "remaining steps on the new rows (the same ordinals then index other prompts), or "
             "start a new --run-dir."
         ) from None
+
+
+def other_shapes(run: RunDir, err: ShapeMismatch, model: ModelConfig) -> RunDirError:
+    """I6: a checkpoint whose model has other shapes than the one this launch built (another
+    `model.*` config, or with the `tiny` preset a vocabulary of other characters) is refused
+    with its tensors' shapes, not a traceback from `load_state_dict`."""
+    why = (
+        "the tiny preset's vocabulary is the data's characters, so the data has characters "
+        "the checkpoint's run did not have (or lacks some it had)"
+        if not model.path and err.part == "model"
+        else f"this launch built its {err.part} from another config"
+    )
+    return RunDirError(
+        f"{run.path}: cannot resume: {err}: {why}. Resume with the model and data the run was "
+        "started on, or start a new --run-dir."
+    )

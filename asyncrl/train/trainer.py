@@ -34,7 +34,7 @@ import torch
 import transformers
 from tqdm import tqdm
 
-from asyncrl.checkpoint.restore import SKIP_RESTORE, load_parts
+from asyncrl.checkpoint.restore import SKIP_RESTORE, ShapeMismatch, load_parts
 from asyncrl.checkpoint.snapshot import RNGState, Snapshot, Stateful, decode
 from asyncrl.checkpoint.staging import Cut, StagingArea
 from asyncrl.checkpoint.store import CheckpointError, Verified
@@ -68,6 +68,7 @@ from asyncrl.train.rundir import (
     SCRATCH_DIR,
     RunDir,
     open_run_dir,
+    other_shapes,
     record_launch,
     refuse_other_data,
 )
@@ -178,7 +179,10 @@ class Trainer:
 
     def restore(self, snapshot: Snapshot) -> ResumePlan:
         """Loads every part, then applies `checkpoint.resume_policy`; returns the plan."""
-        load_parts(self.stateful_parts(), snapshot)
+        try:
+            load_parts(self.stateful_parts(), snapshot)
+        except ShapeMismatch as err:
+            raise other_shapes(self.run, err, self.config.model) from None
         ledger, buffer = self.parts.ledger, self.parts.buffer
         tokens = tokens_per_group(snapshot.parts["buffer"])
         saved = ledger.saved(self.step, buffer.ordinals_and_targets(), tokens)
