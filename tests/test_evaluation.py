@@ -219,3 +219,41 @@ def test_asyncrl_eval_imports_no_reward_module_the_run_dir_names(tmp_path, monke
     assert marker.exists()  # the control: named on the command line, it is imported
     made = read_records(run / "metrics.jsonl")[-1]
     assert json.loads(named.stdout)["eval/reward_mean"] == pytest.approx(made["eval/reward_mean"])
+
+
+def test_a_deterministic_resume_on_other_evaluation_prompts_is_refused(tmp_path):
+    """I8 for eval data: in deterministic mode the eval figures are part of the run, so a
+    resume whose eval prompts changed is refused naming `eval.path` (it used to resume and
+    evaluate other prompts silently); without deterministic mode the change is noted in the
+    resume event's `config_changes`."""
+    from asyncrl.train.rundir import RunDirError
+
+    eval_file = tmp_path / "eval.jsonl"
+
+    def write(count):
+        rows = [{"prompt": f"{d}{d + 1}", "answer": f"{d}{d + 1}"} for d in range(count)]
+        eval_file.write_text("".join(json.dumps(r) + "\n" for r in rows))
+
+    def config(steps, *extra):
+        common = ["eval.every_steps=2", f"eval.path={eval_file}", "eval.num_samples=2"]
+        return small_config(*common, f"run.max_num_steps={steps}", *extra)
+
+    det = tmp_path / "det"
+    write(6)
+    train(config(2, "run.deterministic=true"), det)
+    write(8)
+    with pytest.raises(RunDirError) as err:
+        train(config(4, "run.deterministic=true"), det)
+    assert f"on other eval data (eval.path={eval_file})" in str(err.value)
+    assert "cut evaluating 6 examples" in str(err.value) and "now has 8" in str(err.value)
+    write(6)  # negative control: the same prompts resume
+    train(config(4, "run.deterministic=true"), det)
+    assert [r["step"] for r in read_records(det / "metrics.jsonl")] == [0, 1, 2, 3]
+
+    loose = tmp_path / "loose"
+    train(config(2), loose)
+    write(7)
+    train(config(4), loose)
+    (resume,) = [e for e in read_records(loose / "events.jsonl") if e["event"] == "resume"]
+    saved, now = resume["config_changes"]["eval data"]
+    assert (saved["num_rows"], now["num_rows"]) == (6, 7)

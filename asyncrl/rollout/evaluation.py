@@ -36,7 +36,7 @@ from asyncrl.rollout.reward_pool import RewardPool
 from asyncrl.rollout.scorer import Scored, Scorer
 from asyncrl.rollout.torch_engine import TorchGenerationEngine
 from asyncrl.rollout.weight_sync import CopyWeightSync
-from asyncrl.tasks.examples import Example, Task
+from asyncrl.tasks.examples import Example, Task, examples_sha256
 from asyncrl.tasks.prompts import encode_prompts
 from asyncrl.tasks.source import read_jsonl_examples, sort_digits_examples
 
@@ -111,6 +111,9 @@ class Evaluator:
         max_len = int(getattr(model.config, "max_position_embeddings", 1 << 30))
         self.prompts = encode_prompts(list(examples), tokenizer, rollout.max_new_tokens, max_len)
         self.scorer = Scorer(task, tokenizer, pool, examples)
+        self.identity = {"num_rows": len(examples), "data_sha256": examples_sha256(list(examples))}
+        """What the evaluation prompts are: in the trainer's checkpoint part, so a resume can
+        tell the eval figures before and after it apart (refused in deterministic mode)."""
         device = config.train.device
         self.weights = CopyWeightSync(1, device, DTYPES[rollout.dtype])
         spec = EngineSpec(

@@ -14,7 +14,7 @@ import shutil
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO
+from typing import IO, Any
 
 from asyncrl.checkpoint.restore import ShapeMismatch
 from asyncrl.checkpoint.run_checkpoints import run_store
@@ -24,7 +24,7 @@ from asyncrl.checkpoint.store import (
     UnsupportedCheckpointFormat,
     Verified,
 )
-from asyncrl.config import Config, DataConfig, ModelConfig
+from asyncrl.config import Config, ModelConfig
 from asyncrl.config.keys import dump_config, resume_rule, semantic_differences
 from asyncrl.core.stream import DataChanged, PromptStream
 from asyncrl.train.records import read_jsonl
@@ -48,6 +48,8 @@ class RunDir:
     rejected: list[str] = field(default_factory=list)
     lock: IO[str] | None = None
     forced_changes: list[str] = field(default_factory=list)
+    notes: dict[str, list[Any]] = field(default_factory=dict)
+    """Changes a resume allowed without `--force-config`, for its event's `config_changes`."""
     force_config: bool = False
 
     @functools.cached_property
@@ -202,26 +204,52 @@ def _find_checkpoint(run: RunDir, config: Config, restart: bool, force_config: b
             )
 
 
-def refuse_other_data(run: RunDir, stream: PromptStream, data: DataConfig) -> None:
+def refuse_other_data(
+    run: RunDir, stream: PromptStream, trainer: dict[str, Any], config: Config
+) -> None:
     """I8: a checkpoint's ordinals index the rows it was cut on; a resume on other rows (their
     count or content changed) is refused naming the data key, before any tensor is read, unless
-    `--force-config` (then the change is recorded with the other forced ones)."""
+    `--force-config` (then the change is recorded with the other forced ones). Other evaluation
+    prompts (`trainer["eval_data"]`, this launch's trainer state) are refused the same way in
+    deterministic mode, where the eval figures are part of the run; otherwise they are noted
+    in the resume event's `config_changes` as `eval data`."""
     assert run.latest is not None
+    parts = read_parts(run.latest)[0]
     try:
-        stream.check_same_data(read_parts(run.latest)[0]["stream"])
+        stream.check_same_data(parts["stream"])
     except DataChanged as err:
-        key = f"data.path={data.path}" if data.path else f"data.task={data.task}"
-        if run.force_config:
-            run.forced_changes.append(f"data: {err}")
-            stream.allow_other_data()
-            print(f"asyncrl: resuming on other data ({key}), as --force-config asks: {err}")
-            return
-        raise RunDirError(
-            f"{run.path}: cannot resume step {run.latest.step} on other data ({key}): {err}. "
-            "Restore the data the run was started on, pass --force-config to train the "
-            "remaining steps on the new rows (the same ordinals then index other prompts), or "
-            "start a new --run-dir."
-        ) from None
+        key = (
+            f"data.path={config.data.path}" if config.data.path else f"data.task={config.data.task}"
+        )
+        _other_data(run, "data", key, str(err), "the same ordinals then index other prompts")
+        stream.allow_other_data()
+    saved, now = parts["trainer"].get("eval_data"), trainer.get("eval_data")
+    if saved and now and saved != now:
+        change = (
+            f"the checkpoint was cut evaluating {saved['num_rows']} examples (sha256 "
+            f"{saved['data_sha256'][:16]}), the evaluation data now has {now['num_rows']} "
+            f"(sha256 {now['data_sha256'][:16]})"
+        )
+        if config.run.deterministic:
+            key = f"eval.path={config.eval.path}" if config.eval.path else "eval.*"
+            _other_data(run, "eval data", key, change, "its eval figures then change mid-run")
+        else:
+            run.notes["eval data"] = [saved, now]
+            print(f"asyncrl: note: the evaluation prompts changed: {change}")
+
+
+def _other_data(run: RunDir, what: str, key: str, change: str, consequence: str) -> None:
+    """Refuses the resume on changed `what`, or with `--force-config` records and allows it."""
+    assert run.latest is not None
+    if run.force_config:
+        run.forced_changes.append(f"{what}: {change}")
+        print(f"asyncrl: resuming on other {what} ({key}), as --force-config asks: {change}")
+        return
+    raise RunDirError(
+        f"{run.path}: cannot resume step {run.latest.step} on other {what} ({key}): {change}. "
+        f"Restore the {what} the run was started on, pass --force-config to train the "
+        f"remaining steps on the new rows ({consequence}), or start a new --run-dir."
+    ) from None
 
 
 def other_shapes(run: RunDir, err: ShapeMismatch, model: ModelConfig) -> RunDirError:

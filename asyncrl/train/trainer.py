@@ -154,6 +154,7 @@ class Trainer:
             "attempt": self.attempt,
             "run_id": self.run.run_id,
             "wall_s": self._wall_s,
+            "eval_data": self.parts.evaluator.identity if self.parts.evaluator else None,
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -207,7 +208,7 @@ class Trainer:
                 print(f"asyncrl: no verified checkpoint; from step 0 (attempt {self.attempt})")
             return
         start = time.perf_counter()
-        refuse_other_data(self.run, self.parts.stream, self.config.data)  # I8
+        refuse_other_data(self.run, self.parts.stream, self.state_dict(), self.config)  # I8
         snapshot = self._decode_latest(self.run.latest)
         cursor = int(snapshot.parts["stream"]["cursor"])
         saved_config = snapshot.config
@@ -250,7 +251,7 @@ class Trainer:
             cursor=cursor,
             **plan_fields(plan, self.continued),
             rejected_checkpoints=self.run.rejected,
-            config_changes=benign_differences(saved_config, self.config),
+            config_changes={**benign_differences(saved_config, self.config), **self.run.notes},
             forced_config_changes=self.run.forced_changes,
             load_s=load_s,
             **({"skipped_restore": sorted(SKIP_RESTORE)} if SKIP_RESTORE else {}),
