@@ -62,3 +62,35 @@ def test_rloo_steps_with_its_own_advantages_not_grpos(monkeypatch):
     rewards = torch.stack([g.rewards for g in groups])
     assert torch.equal(seen[0], leave_one_out_advantages(rewards).reshape(-1, 1))
     assert metrics["reward_mean"] == pytest.approx(float(rewards.mean()))
+
+
+def test_rloos_entropy_bonus_is_scaled_by_the_std_of_the_steps_advantages(monkeypatch):
+    """`algo.entropy_scale=advantage_std` (the default): the bonus enters the loss with
+    `entropy_coef * std(advantages)`; GRPO's and `none` keep `entropy_coef` as given. (With
+    `entropy_coef` tuned for GRPO's std-scaled advantages RLOO learnt nothing on the demo.)"""
+    from asyncrl.algos import grpo
+    from asyncrl.train.components import build_components
+
+    seen: list[float] = []
+    real = grpo.regularise
+
+    def spy(*args, **kwargs):
+        seen.append(args[-1])  # the entropy coefficient the step used
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(grpo, "regularise", spy)
+    got = {}
+    for name, scale in (("rloo", "advantage_std"), ("rloo", "none"), ("grpo", None)):
+        extra = [f"algo.entropy_scale={scale}"] if scale else []
+        parts = build_components(small_config(f"algo.name={name}", "algo.entropy_coef=0.1", *extra))
+        groups = groups_of(parts)
+        seen.clear()
+        parts.algo.step(groups, 0)
+        rewards = torch.stack([g.rewards for g in groups])
+        got[(name, scale)] = (set(seen), rewards)
+    (scaled,), rewards = got[("rloo", "advantage_std")]
+    std = float(leave_one_out_advantages(rewards).std(unbiased=False))
+    assert std > 0 and scaled == pytest.approx(0.1 * std)
+    assert got[("rloo", "none")][0] == {0.1} and got[("grpo", None)][0] == {0.1}
+    with pytest.raises(ConfigError, match=r"algo\.entropy_scale"):
+        small_config("algo.name=rloo", "algo.entropy_scale=sometimes")

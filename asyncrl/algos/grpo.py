@@ -62,6 +62,7 @@ class GRPO:
             ReferencePolicy(policy.model, self.shared_prompts) if config.algo.kl_coef > 0 else None
         )
         self.loss_fn = ClippedPolicyLoss(clip_eps=config.algo.clip_eps)
+        self._entropy_coef = config.algo.entropy_coef  # the step's: `entropy_coef(advantages)`
         self.max_new_tokens = config.rollout.max_new_tokens
         ranks.shard(self.model)  # after the reference copied the full initial weights
         if self.reference is not None:
@@ -74,12 +75,17 @@ class GRPO:
         as `algo.scale_rewards` says."""
         return scaled_group_advantages(rewards, self.config.options.scale_rewards)
 
+    def entropy_coef(self, advantages: torch.Tensor) -> float:
+        """The step's entropy-bonus weight: `algo.entropy_coef` (RLOO scales it)."""
+        return self.config.entropy_coef
+
     def step(self, groups: list[Group], step: int) -> dict[str, float]:
         """One optimizer update on the step's groups, accumulated over micro-batches of
         `train.micro_batch_size` sequences; returns its metrics."""
         batch = to_device(stack_groups(groups, self.pad_id), self.device)
         rewards, mask = batch["rewards"], batch["completion_mask"]
         advantages = self.advantages(rewards).reshape(-1, 1)  # [B, 1]
+        self._entropy_coef = self.entropy_coef(advantages)  # one weight for the whole step
         # every micro-batch's loss is a weighted sum over the step's one normaliser
         weights, normaliser = loss_weights(mask, self.config.loss_aggregation, self.max_new_tokens)
         self.model.train()
@@ -179,6 +185,7 @@ class GRPO:
             self.config,
             normaliser,
             token_weights,
+            self._entropy_coef,
         )
         return loss, logprobs, {**loss_stats, **is_stats, **extra}
 

@@ -10,20 +10,18 @@ includes it) and no critic is needed:
 
 Rewards are not divided by the group's std (the difference from GRPO). Everything else is
 GRPO's: the clipped ratio against the behaviour log-probs (which also corrects the off-policy
-lag of async generation), the token mean over the step, the optional KL and entropy terms.
+lag of async generation), the token mean over the step, the optional KL term; the entropy
+bonus is scaled by the std of the step's advantages (`algo.entropy_scale`).
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, ClassVar
+from typing import ClassVar
 
 import torch
 
 from asyncrl.algos.grpo import GRPO
 from asyncrl.config.algos import RLOOOptions
-
-if TYPE_CHECKING:
-    pass
 
 
 def leave_one_out_advantages(rewards: torch.Tensor) -> torch.Tensor:
@@ -39,3 +37,12 @@ class RLOO(GRPO):
 
     def advantages(self, rewards: torch.Tensor) -> torch.Tensor:
         return leave_one_out_advantages(rewards)
+
+    def entropy_coef(self, advantages: torch.Tensor) -> float:
+        """`algo.entropy_coef` times the std of the step's advantages (`algo.entropy_scale`):
+        the bonus keeps its proportion to the policy-gradient term, which for RLOO shrinks
+        with the rewards' spread (a step whose rewards are all equal gets no bonus)."""
+        coef = self.config.entropy_coef
+        if coef == 0 or self.config.options.entropy_scale == "none":
+            return coef
+        return coef * float(advantages.std(unbiased=False))

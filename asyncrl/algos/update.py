@@ -146,13 +146,16 @@ def regularise(
     config: AlgoConfig,
     normaliser: torch.Tensor | None = None,
     token_weights: torch.Tensor | None = None,
+    entropy_coef: float | None = None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """Adds the KL penalty to the reference (when `ref_logprobs` is given) and subtracts the
-    entropy bonus, each a sum over `token_weights` (`loss_weights`; default the mask) divided
-    by `normaliser` (default the mask's real tokens), as the policy loss is; terms with a zero
-    coefficient are not added at all (the loss stays bit-identical to the bare surrogate). The
-    stats are this micro-batch's token means."""
+    entropy bonus (`entropy_coef`, default `config.entropy_coef`), each a sum over
+    `token_weights` (`loss_weights`; default the mask) divided by `normaliser` (default the
+    mask's real tokens), as the policy loss is; terms with a zero coefficient are not added at
+    all (the loss stays bit-identical to the bare surrogate). The stats are this micro-batch's
+    token means."""
     weights = mask if token_weights is None else token_weights
+    entropy_coef = config.entropy_coef if entropy_coef is None else entropy_coef
     stats = {"entropy": float(masked_mean(entropy.detach(), mask))}
     if ref_logprobs is not None:
         kl = kl_estimate(logprobs, ref_logprobs, config.kl_estimator)
@@ -160,7 +163,7 @@ def regularise(
         loss = loss + config.kl_coef * normalise(masked_sum(kl, weights), mask, normaliser)
     if config.entropy_coef > 0:
         bonus = normalise(masked_sum(entropy, weights), mask, normaliser)
-        loss = loss - config.entropy_coef * bonus
+        loss = loss - entropy_coef * bonus
     return loss, stats
 
 

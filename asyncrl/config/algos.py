@@ -105,8 +105,18 @@ class RLOOOptions:
     """As GRPO's: 0 takes the clipped ratio against the behaviour log-probs; >= 1 corrects the
     engine/trainer mismatch with truncated importance weights (Yao et al. 2025)."""
 
+    entropy_scale: str = "advantage_std"
+    """`advantage_std`: the entropy bonus is `algo.entropy_coef` times the std of the step's
+    advantages, so one coefficient means the same against RLOO's unscaled advantages as
+    against GRPO's std-scaled ones (a coefficient tuned for GRPO otherwise swamps RLOO's
+    signal: docs/algorithms.md); `none`: `algo.entropy_coef` as given."""
+
     def validate(self, config: Config) -> None:
         validate_tis_cap(self.mismatch_tis_cap)
+        if self.entropy_scale not in ("advantage_std", "none"):
+            raise ConfigError(
+                f"algo.entropy_scale: got {self.entropy_scale!r}, expected advantage_std or none"
+            )
         g = config.rollout.num_generations_per_prompt
         if g < 2:
             raise ConfigError(
