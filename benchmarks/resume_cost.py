@@ -39,7 +39,7 @@ from long_generation import shape, write_task
 
 from asyncrl.cli.inspect import inspect_run_dir
 from asyncrl.core.resume import POLICIES
-from asyncrl.train.records import read_jsonl
+from asyncrl.train.records import read_jsonl, span_token_starts
 
 ROOT = Path(__file__).resolve().parents[1]
 QUIET = ["logging.progress=false", "logging.plot=false"]
@@ -90,7 +90,7 @@ def tokens_regenerated(
             continue
         seconds += span["seconds"]
         for k, starts, counts in zip(
-            span["ordinals"], span["token_starts"], span["token_counts"], strict=True
+            span["ordinals"], span_token_starts(span), span["token_counts"], strict=True
         ):
             tokens += sum(counts)
             if str(k) in buffered:

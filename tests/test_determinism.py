@@ -17,6 +17,7 @@ from helpers import read_complete_records, read_records
 from safetensors.torch import load_file
 
 from asyncrl.cli.audit import audit_run_dir
+from asyncrl.train.records import span_token_starts
 
 pytestmark = pytest.mark.slow
 
@@ -279,5 +280,5 @@ def test_killed_mid_chunk_and_resumed_from_partial_samples_is_bitwise_the_uninte
             first = next(
                 s for s in spans if s["attempt"] == event["attempt"] and int(k) in s["ordinals"]
             )
-            starts = first["token_starts"][first["ordinals"].index(int(k))]
+            starts = span_token_starts(first)[first["ordinals"].index(int(k))]
             assert starts == saved["lengths"]

@@ -140,13 +140,13 @@ def test_a_deterministic_run_trains_the_same_bits_with_evaluation_on_or_off(tmp_
 
 
 def test_the_eval_plot_draws_each_evaluated_step(tmp_path):
-    from asyncrl.cli.plots import figure_eval, write_plots
+    from asyncrl.cli.plots import figure_eval, run_plot_data, write_plots
 
     run = tmp_path / "run"
     config = small_config("eval.every_steps=2", "eval.max_examples=8", "run.max_num_steps=5")
     train(config, run)
     records = read_records(run / "metrics.jsonl")
-    figure = figure_eval(records)
+    figure = figure_eval(run_plot_data(run)[0])
     lines = {line.get_label(): line for line in figure.axes[0].get_lines()}
     assert list(lines["pass@4"].get_xdata()) == [1, 3, 4]
     expected = [r["eval/reward_mean"] for r in records if "eval/reward_mean" in r]

@@ -477,3 +477,39 @@ def test_a_chunked_batch_that_fails_mid_generation_is_retried_from_its_saved_par
     for a, b in zip(groups, uninterrupted_groups(policy), strict=True):
         assert torch.equal(a.completion_ids, b.completion_ids)
         assert torch.equal(a.behaviour_logprobs, b.behaviour_logprobs)
+
+
+def test_the_timeline_has_one_row_per_run_of_chunks_and_each_token_once(policy):
+    """A batch's consecutive engine passes over the same tickets and weights are one timeline
+    row (`chunks` of them; it used to be one row of N·G token starts and counts per pass):
+    per sample the rows' token ranges are contiguous, each generated token once, and a cut
+    writes the pending row first, so a checkpoint's partial tokens are on the record."""
+    ledger, buffer = Ledger(PromptStream(10, 2, seed=0)), ReplayBuffer(2, 4)
+    engine = RecordingEngine(engine_for(policy, max_new_tokens=LONG))
+    rows: list = []
+    collector = collector_for(policy, engine, ledger, buffer, chunk=4)
+    collector.on_batch = rows.append
+    cut_rows: list[int] = []
+
+    def cut_after_two_chunks(n):
+        if n == 2:
+            with collector.cut():  # what a checkpoint holds: the rows so far are recorded
+                cut_rows.append(sum(r.chunks for r in rows))
+
+    engine.after_call = cut_after_two_chunks
+    collector.start()
+    groups = buffer.sample(0, check=collector.check)
+    collector.stop()
+    # inside the second pass, at its end: the first pass (nothing landed) was pending until
+    # the cut wrote it (without that: no row yet)
+    assert cut_rows == [1]
+    assert sum(r.chunks for r in rows) == len(engine.calls) > len(rows)
+    generated: dict = {}
+    for row in rows:  # in order: each row continues where the sample's last row stopped
+        for k, starts, counts in zip(row.ordinals, row.token_starts, row.token_counts, strict=True):
+            ends = generated.setdefault(k, [0] * G)
+            assert starts == ends, f"ordinal {k}: tokens from {starts}, generated up to {ends}"
+            generated[k] = [s + c for s, c in zip(starts, counts, strict=True)]
+    for group in groups:
+        assert generated[group.ordinal] == group.completion_mask.sum(dim=1).tolist()
+    assert sorted(k for r in rows for k in r.landed) == sorted(g.ordinal for g in groups)

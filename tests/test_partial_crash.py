@@ -20,6 +20,7 @@ from resume_cost import train
 
 from asyncrl.cli.audit import audit_run_dir
 from asyncrl.cli.inspect import inspect_run_dir
+from asyncrl.train.records import span_token_starts
 
 pytestmark = pytest.mark.slow
 
@@ -33,7 +34,7 @@ def regenerated(run: Path, attempt: int, saved: dict) -> list[str]:
         if span["kind"] != "generate" or span["attempt"] != attempt:
             continue
         for k, starts, counts in zip(
-            span["ordinals"], span["token_starts"], span["token_counts"], strict=True
+            span["ordinals"], span_token_starts(span), span["token_counts"], strict=True
         ):
             if k in buffered:
                 found.append(f"buffered ordinal {k}: {sum(counts)} tokens")

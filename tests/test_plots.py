@@ -10,12 +10,12 @@ import matplotlib.image
 import pytest
 from helpers import read_records, small_config, train_and_report
 
+from asyncrl.cli.plot_data import read_plot_data
 from asyncrl.cli.plots import (
     figure_ledger,
     figure_reward_loss,
     figure_staleness,
     figure_timeline,
-    ledger_series,
     write_plots,
 )
 from asyncrl.rollout.torch_engine import TorchGenerationEngine
@@ -80,6 +80,10 @@ def records(run):
     )
 
 
+def plot_data(run):
+    return read_plot_data(*records(run), N)
+
+
 def test_the_run_writes_four_valid_pngs(resumed_run):
     paths = sorted((resumed_run / "plots").glob("*.png"))
     assert [p.name for p in paths] == [
@@ -99,7 +103,7 @@ def test_the_run_writes_four_valid_pngs(resumed_run):
 
 def test_reward_and_loss_mark_every_checkpoint_and_the_resume(resumed_run):
     metrics, events, _ = records(resumed_run)
-    fig = figure_reward_loss(metrics, events)
+    fig = figure_reward_loss(plot_data(resumed_run))
     checkpoints = sum(e["event"] == "checkpoint" for e in events)
     assert checkpoints >= 4 and sum(e["event"] == "resume" for e in events) == 1
     for axis in fig.axes:
@@ -112,8 +116,8 @@ def test_reward_and_loss_mark_every_checkpoint_and_the_resume(resumed_run):
 
 
 def test_the_timeline_has_one_bar_per_generation_batch_and_training_step(resumed_run):
-    _, events, timeline = records(resumed_run)
-    fig = figure_timeline(timeline, events)
+    _, _, timeline = records(resumed_run)
+    fig = figure_timeline(plot_data(resumed_run))
     whole = fig.axes[0]
     gen, train_bars = (c for c in whole.collections)
     assert len(gen.get_paths()) == sum(s["kind"] == "generate" for s in timeline)
@@ -123,19 +127,18 @@ def test_the_timeline_has_one_bar_per_generation_batch_and_training_step(resumed
 
 
 def test_staleness_counts_every_step_within_the_bound(resumed_run):
-    metrics, _, _ = records(resumed_run)
-    fig = figure_staleness(metrics, max_age=2)
+    fig = figure_staleness(plot_data(resumed_run), max_age=2)
     bars = fig.axes[0].patches
     assert len(bars) == 3 and sum(b.get_height() for b in bars) == 10
 
 
 def test_the_ledger_shows_the_skipped_ordinals_of_the_lossy_resume(resumed_run):
-    metrics, events, timeline = records(resumed_run)
+    _, events, _ = records(resumed_run)
     (resume,) = [e for e in events if e["event"] == "resume"]
-    series = ledger_series(metrics, events, timeline, N)
+    series = plot_data(resumed_run).ledger
     assert series["skipped"][-1] == len(resume["skipped_ordinals"]) > 0
     assert max(series["trained"]) == 10 * N
-    fig = figure_ledger(metrics, events, timeline, N)
+    fig = figure_ledger(plot_data(resumed_run))
     axis = fig.axes[0]
     assert len(axis.collections) == 4  # trained, buffered, in flight, pending
     assert [ln.get_label() for ln in axis.lines] == ["skipped (never trained)"]

@@ -22,6 +22,7 @@ from asyncrl.cli.inspect import inspect_run_dir
 from asyncrl.distributed.cluster import NAMESPACE
 from asyncrl.distributed.worker import worker_name
 from asyncrl.rollout.collector import GenerationFailed
+from asyncrl.train.records import span_token_starts
 from asyncrl.train.trainer import train
 
 pytestmark = pytest.mark.slow
@@ -71,7 +72,12 @@ def test_chunked_generation_on_worker_actors_continues_each_sample_where_it_stop
     assert_schedule_and_exactly_once(run, 6)
     assert set(landed_per_ordinal(run).values()) == {1}
     spans = [s for s in read_records(run / "timeline.jsonl") if s["kind"] == "generate"]
-    assert any(start > 0 for s in spans for row in s["token_starts"] for start in row)
+    # several engine passes continued the same samples (a row holds a run of them, `chunks`;
+    # or starts past the first token when an earlier row was written at a landing or a cut)
+    assert any(s["chunks"] > 1 or any(map(any, span_token_starts(s))) for s in spans), (
+        "no sample was generated in more than one chunk"
+    )
+    assert all(sum(row) <= 12 * len(row) for s in spans for row in s["token_counts"])
 
 
 def test_worker_actors_continue_prefixes_as_the_local_engine_generates_in_one_go():

@@ -204,8 +204,8 @@ def test_a_resume_reads_no_record_file_for_its_attempt_and_wall_clock(tmp_path, 
     def no_reading(path):
         raise AssertionError(f"read {path}")
 
-    monkeypatch.setattr(rundir_module, "read_jsonl", no_reading)
-    monkeypatch.setattr(trainer_module, "read_jsonl", no_reading)
+    monkeypatch.setattr(rundir_module, "iter_jsonl", no_reading)
+    monkeypatch.setattr(trainer_module, "iter_jsonl", no_reading)
     train(small_config("run.max_num_steps=4"), run)
     records = {r["step"]: r for r in read_records(run / "metrics.jsonl")}
     assert records[2]["attempt"] == 1 and records[2]["wall_s"] > records[1]["wall_s"]

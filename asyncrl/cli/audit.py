@@ -10,13 +10,14 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import yaml
 
-from asyncrl.train.records import latest_records, read_jsonl_checked
+from asyncrl.train.records import iter_jsonl, span_token_starts
 
 
 @dataclass
@@ -44,33 +45,49 @@ def _ranges(ordinals: list[int]) -> str:
 
 
 def audit_records(
-    metrics: list[dict[str, Any]],
-    events: list[dict[str, Any]],
-    timeline: list[dict[str, Any]],
+    metrics: Iterable[dict[str, Any]],
+    events: Iterable[dict[str, Any]],
+    timeline: Iterable[dict[str, Any]],
     num_prompts_per_step: int,
 ) -> AuditReport:
+    """The audit of a run's records, each iterable read once, events first (only the resumes
+    are kept), in memory that grows with the number of steps by a byte each (and with the
+    violations), not with the records: a step that trained its scheduled ordinals is one
+    byte, and every ordinal is then trained exactly once by construction."""
     n = num_prompts_per_step
-    final = latest_records(metrics)
-    last_step = final[-1]["step"] if final else -1
     resumes = [e for e in events if e.get("event") == "resume"]
-    report = AuditReport(len(final), (last_step + 1) * n, len(resumes))
-    present = {r["step"] for r in final}
-    missing_steps = [t for t in range(last_step + 1) if t not in present]
+    status = bytearray()  # per step, its last record: ABSENT, ON_SCHEDULE or OFF_SCHEDULE
+    off: dict[int, list[int]] = {}  # the ordinals of the steps OFF_SCHEDULE
+    for record in metrics:
+        t, got = record["step"], record["prompt_ordinals"]
+        if t >= len(status):
+            status.extend(bytes(t + 1 - len(status)))
+        if got == list(range(t * n, (t + 1) * n)):
+            status[t] = ON_SCHEDULE
+            off.pop(t, None)
+        else:
+            status[t], off[t] = OFF_SCHEDULE, got
+    last_step = len(status) - 1
+    report = AuditReport(len(status) - status.count(ABSENT), (last_step + 1) * n, len(resumes))
+    missing_steps = [t for t, state in enumerate(status) if state == ABSENT]
     if missing_steps:
         report.violations.append(f"I1: steps never trained: {_ranges(missing_steps)}")
-    trained_by: dict[int, list[int]] = {}
-    schedule_violations = []
-    for record in final:
-        t, got = record["step"], record["prompt_ordinals"]
-        expected = list(range(t * n, (t + 1) * n))
-        if got != expected:
-            schedule_violations.append(
-                f"I1: step {t} trained ordinals [{_ranges(sorted(got))}], "
-                f"schedule says [{_ranges(expected)}]"
-            )
+    trained_by: dict[int, list[int]] = {}  # only ordinals an OFF_SCHEDULE step trained
+    for t, got in sorted(off.items()):
         for k in got:
             trained_by.setdefault(k, []).append(t)
-    skipped = sorted(set(range(report.num_ordinals)) - set(trained_by))
+    for k, steps in trained_by.items():  # the step whose schedule holds k trained it too
+        owner = k // n
+        if owner < len(status) and status[owner] == ON_SCHEDULE:
+            steps.append(owner)
+            steps.sort()
+    skipped = sorted(
+        k
+        for t, state in enumerate(status)
+        if state != ON_SCHEDULE
+        for k in range(t * n, (t + 1) * n)
+        if k not in trained_by
+    )
     if skipped:
         report.violations.append(
             f"I3: {len(skipped)} ordinals below the frontier never trained: {_ranges(skipped)}"
@@ -78,61 +95,71 @@ def audit_records(
     for k, steps in sorted(trained_by.items()):
         if len(steps) > 1:
             report.violations.append(f"I3: ordinal {k} trained by steps {steps}")
-    for resume in resumes:
-        # In the attempt a resume started, an ordinal below the checkpoint's cursor may only be
-        # generated if the resume re-dispatched it (it was in flight at the checkpoint).
-        attempt, cursor = resume["attempt"], resume["cursor"]
-        allowed = set(resume["reissued_ordinals"])
-        kept = set(resume["kept_groups"])
-        again = sorted(
-            {
-                k
-                for span in timeline
-                if span.get("kind") == "generate" and span["attempt"] == attempt
-                for k in span["ordinals"]
-                if k < cursor and k not in allowed
-            }
-        )
-        if again:
-            what = "kept buffered groups" if set(again) <= kept else "ordinals"
-            report.violations.append(
-                f"I3: attempt {attempt} generated {what} from step {resume['from_step']}'s "
-                f"checkpoint again: {_ranges(again)}"
-            )
-        report.violations.extend(_partials_regenerated(resume, timeline))
-    report.violations.extend(schedule_violations)  # last: the per-step detail of the above
+    report.violations.extend(_resume_violations(resumes, timeline))
+    report.violations.extend(  # last: the per-step detail of the above
+        f"I1: step {t} trained ordinals [{_ranges(sorted(got))}], "
+        f"schedule says [{_ranges(list(range(t * n, (t + 1) * n)))}]"
+        for t, got in sorted(off.items())
+    )
     return report
 
 
-def _partials_regenerated(resume: dict[str, Any], timeline: list[dict[str, Any]]) -> list[str]:
-    """Tokens of the partial samples a resume continued that its attempt generated again."""
-    partials = resume.get("continued_partials", {})
-    found = []
+ABSENT, ON_SCHEDULE, OFF_SCHEDULE = 0, 1, 2
+
+
+def _resume_violations(
+    resumes: list[dict[str, Any]], timeline: Iterable[dict[str, Any]]
+) -> list[str]:
+    """In the attempt a resume started, an ordinal below the checkpoint's cursor may only be
+    generated if the resume re-dispatched it (it was in flight at the checkpoint), and then
+    no token of it that a continued partial sample already had. One pass over the timeline."""
+    by_attempt = {e["attempt"]: i for i, e in enumerate(resumes)}
+    again: list[set[int]] = [set() for _ in resumes]
+    partials: list[list[str]] = [[] for _ in resumes]
     for span in timeline:
-        if span.get("kind") != "generate" or span["attempt"] != resume["attempt"]:
+        i = by_attempt.get(span.get("attempt", -1))
+        if span.get("kind") != "generate" or i is None:
             continue
-        for k, starts, counts in zip(
-            span["ordinals"],
-            span.get("token_starts", []),
-            span.get("token_counts", []),
-            strict=False,
-        ):
-            saved = partials.get(str(k))
-            if saved is None:
-                continue
-            for i, (start, count) in enumerate(zip(starts, counts, strict=True)):
-                if count and saved["finished"][i]:
-                    found.append(
-                        f"I3: attempt {resume['attempt']} generated {count} tokens for sample {i} "
-                        f"of ordinal {k}, finished in step {resume['from_step']}'s checkpoint"
-                    )
-                elif count and start < saved["lengths"][i]:
-                    found.append(
-                        f"I3: attempt {resume['attempt']} generated tokens {start}-"
-                        f"{min(start + count, saved['lengths'][i]) - 1} of sample {i} of ordinal "
-                        f"{k} again (step {resume['from_step']}'s checkpoint had "
-                        f"{saved['lengths'][i]})"
-                    )
+        resume = resumes[i]
+        allowed, cursor = set(resume["reissued_ordinals"]), resume["cursor"]
+        again[i].update(k for k in span["ordinals"] if k < cursor and k not in allowed)
+        partials[i].extend(_partials_regenerated(resume, span))
+    found = []
+    for resume, ordinals, regenerated in zip(resumes, again, partials, strict=True):
+        if ordinals:
+            what = "kept buffered groups" if ordinals <= set(resume["kept_groups"]) else "ordinals"
+            found.append(
+                f"I3: attempt {resume['attempt']} generated {what} from step "
+                f"{resume['from_step']}'s checkpoint again: {_ranges(sorted(ordinals))}"
+            )
+        found.extend(regenerated)
+    return found
+
+
+def _partials_regenerated(resume: dict[str, Any], span: dict[str, Any]) -> list[str]:
+    """Tokens of the partial samples a resume continued that a span of its attempt generated
+    again."""
+    saved_partials = resume.get("continued_partials", {})
+    found = []
+    for k, starts, counts in zip(
+        span["ordinals"], span_token_starts(span), span.get("token_counts", []), strict=False
+    ):
+        saved = saved_partials.get(str(k))
+        if saved is None:
+            continue
+        for i, (start, count) in enumerate(zip(starts, counts, strict=True)):
+            if count and saved["finished"][i]:
+                found.append(
+                    f"I3: attempt {resume['attempt']} generated {count} tokens for sample {i} "
+                    f"of ordinal {k}, finished in step {resume['from_step']}'s checkpoint"
+                )
+            elif count and start < saved["lengths"][i]:
+                found.append(
+                    f"I3: attempt {resume['attempt']} generated tokens {start}-"
+                    f"{min(start + count, saved['lengths'][i]) - 1} of sample {i} of ordinal "
+                    f"{k} again (step {resume['from_step']}'s checkpoint had "
+                    f"{saved['lengths'][i]})"
+                )
     return found
 
 
@@ -141,19 +168,17 @@ def audit_run_dir(run_dir: Path) -> AuditReport:
     torn last one) is a violation naming its file and line: the check it carried (a resume's
     kept groups, a step's ordinals) cannot be made, so the audit cannot pass."""
     config = yaml.safe_load((run_dir / "config.yaml").read_text())
-    read = {name: read_jsonl_checked(run_dir / f"{name}.jsonl") for name in FILES}
+    problems: dict[str, list[str]] = {name: [] for name in FILES}
     report = audit_records(
-        read["metrics"][0],
-        read["events"][0],
-        read["timeline"][0],
+        *(iter_jsonl(run_dir / f"{name}.jsonl", problems[name]) for name in FILES),
         int(config["rollout"]["num_prompts_per_step"]),
     )
-    report.violations[:0] = [f"damaged record: {p}" for name in FILES for p in read[name][1]]
+    report.violations[:0] = [f"damaged record: {p}" for name in FILES for p in problems[name]]
     return report
 
 
 FILES = ("metrics", "events", "timeline")
-"""The records `audit` reads, as `NAME.jsonl`."""
+"""The records `audit` reads, as `NAME.jsonl`, in the order `audit_records` takes them."""
 
 
 def format_report(report: AuditReport, run_dir: Path, limit: int = 20) -> str:

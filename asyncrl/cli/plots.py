@@ -7,14 +7,16 @@
 5. `eval.png`         evaluation: mean reward, pass@1, pass@k and greedy against step (only for
                       runs with `eval.every_steps`)
 
-Each `figure_*` function returns a matplotlib Figure (tests inspect them); `write_plots` saves
-them. Times on the time axes are seconds since the run's first launch, gaps included.
+Each `figure_*` function draws a `PlotData` (asyncrl/cli/plot_data.py: the records read in
+one pass each, in bounded memory) and returns a matplotlib Figure (tests inspect them);
+`write_plots` saves them. Times on the time axes are seconds since the run's first span, gaps
+included. A long run is drawn thinned: every k-th step (the titles say so), spans closer than
+a pixel as one bar.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
 
 import matplotlib
 
@@ -23,152 +25,107 @@ import matplotlib.pyplot as plt
 import yaml
 from matplotlib.figure import Figure
 
-from asyncrl.train.records import latest_records, read_jsonl
+from asyncrl.cli.plot_data import PlotData, read_plot_data
+from asyncrl.train.records import iter_jsonl
 
-Records = list[dict[str, Any]]
 COLORS = {"generate": "tab:orange", "train": "tab:blue", "checkpoint": "0.6", "resume": "tab:red"}
 
 
-def _events(events: Records, name: str) -> Records:
-    return [e for e in events if e.get("event") == name]
+def _every(stride: int, what: str = "step") -> str:
+    return "" if stride == 1 else f", every {stride}th {what} shown"
 
 
-def figure_reward_loss(metrics: Records, events: Records) -> Figure:
+def figure_reward_loss(data: PlotData) -> Figure:
     """2x2: reward and loss against step (top) and wall time (bottom). Grey dotted lines mark
     checkpoints, red dashed lines resumes."""
-    records = latest_records(metrics)
-    wall_of = {r["step"]: r["wall_s"] for r in records}
-    steps = [r["step"] for r in records]
     fig, axes = plt.subplots(2, 2, figsize=(10, 6), sharey="col")
+    marks = [(step, ":", "checkpoint") for _, step in data.checkpoints.items()]
+    marks += [(e["from_step"], "--", "resume") for e in data.resumes]
     for col, key, label in ((0, "reward_mean", "reward_mean (0-1)"), (1, "loss", "loss")):
-        values = [r[key] for r in records]
-        for row, xs, xlabel in (
-            (0, steps, "step"),
-            (1, [r["wall_s"] for r in records], "wall time (s)"),
-        ):
+        steps, values = data.step_series(key)
+        walls = data.wall_at(steps)
+        for row, xs, xlabel in ((0, steps, "step"), (1, walls, "wall time (s)")):
             axis = axes[row][col]
             axis.plot(xs, values, color=COLORS["train"], linewidth=1.0, label=key)
-            for event, style in (("checkpoint", ":"), ("resume", "--")):
-                steps_marked = [
-                    e["step"] if event == "checkpoint" else e["from_step"]
-                    for e in _events(events, event)
-                ]
-                for step in steps_marked:
-                    x = step if row == 0 else wall_of.get(step - 1, 0.0)
-                    axis.axvline(x, color=COLORS[event], linestyle=style, linewidth=0.8)
+            mark_walls = data.wall_at([step - 1 for step, _, _ in marks])
+            for (step, style, event), wall in zip(marks, mark_walls, strict=True):
+                x = step if row == 0 else wall if step else 0.0
+                axis.axvline(x, color=COLORS[event], linestyle=style, linewidth=0.8)
             axis.set_xlabel(xlabel)
             axis.set_ylabel(label)
             axis.grid(alpha=0.3)
     axes[0][0].plot([], [], color=COLORS["checkpoint"], linestyle=":", label="checkpoint")
     axes[0][0].plot([], [], color=COLORS["resume"], linestyle="--", label="resume")
     axes[0][0].legend(loc="lower right", fontsize=8)
-    fig.suptitle("reward and loss per step (the last record of each step)")
+    fig.suptitle(
+        "reward and loss per step (the last record of each step"
+        f"{_every(data.steps.stride)}{_every(data.checkpoints.stride, 'checkpoint')})"
+    )
     fig.tight_layout()
     return fig
 
 
-def _spans(timeline: Records, kind: str, t0: float) -> list[tuple[float, float]]:
-    return [(s["start"] - t0, s["seconds"]) for s in timeline if s.get("kind") == kind]
-
-
-def figure_timeline(timeline: Records, events: Records) -> Figure:
+def figure_timeline(data: PlotData) -> Figure:
     """Gantt chart of generation (the collector's worker) and training over wall time: the
-    whole run on top, a close-up of a few steps in the middle below."""
-    t0 = min((s["start"] for s in timeline), default=0.0)
-    gen, train = _spans(timeline, "generate", t0), _spans(timeline, "train", t0)
+    whole run on top, a close-up of a few steps a quarter into the run below."""
+    t0 = 0.0 if data.t0 == float("inf") else data.t0
     fig, (whole, close) = plt.subplots(2, 1, figsize=(10, 4.6))
-    for axis in (whole, close):
+    close_gen = [(s["start"] - t0, s["seconds"]) for s in data.close_up if s["kind"] != "train"]
+    close_train = [(s["start"] - t0, s["seconds"]) for s in data.close_up if s["kind"] == "train"]
+    for axis, gen, train in (
+        (
+            whole,
+            [(a - t0, b) for a, b in data.gen.spans],
+            [(a - t0, b) for a, b in data.train.spans],
+        ),
+        (close, close_gen, close_train),
+    ):
         axis.broken_barh(gen, (10, 8), facecolors=COLORS["generate"], label="generate")
         axis.broken_barh(train, (0, 8), facecolors=COLORS["train"], label="train")
         axis.set_yticks([4, 14], labels=["trainer", "generation\nworker 0"])
-        axis.set_xlabel("wall time since the first launch (s)")
+        axis.set_xlabel("wall time since the first span (s)")
         axis.grid(axis="x", alpha=0.3)
-    for start in _events(events, "start")[1:]:
+    for start in data.starts[1:]:
         whole.axvline(start["time"] - t0, color=COLORS["resume"], linestyle="--", linewidth=0.8)
-    if train:
-        middle = train[len(train) // 4][0]  # inside the first launch, away from its end
-        width = 6 * max(sum(s for _, s in train) / len(train), 1e-3)
-        close.set_xlim(middle - width / 2, middle + width / 2)
+    if data.close_up_window is not None:
+        close.set_xlim(data.close_up_window[0] - t0, data.close_up_window[1] - t0)
+    merged = (
+        "" if data.gen.gap == 0 and data.train.gap == 0 else ", spans closer than a pixel merged"
+    )
     whole.legend(loc="upper right", fontsize=8, ncols=2)
-    whole.set_title("generation and training over time (red dashed: a relaunch)")
+    whole.set_title(f"generation and training over time (red dashed: a relaunch{merged})")
     close.set_title("close-up: generation of the next step overlaps training of this one")
     fig.tight_layout()
     return fig
 
 
-def figure_staleness(metrics: Records, max_age: int) -> Figure:
+def figure_staleness(data: PlotData, max_age: int) -> Figure:
     """How many steps old the weights were that generated each step's groups."""
-    records = latest_records(metrics)
-    oldest = [r["step"] - r["generation_version_min"] for r in records]
-    newest = [r["step"] - r["generation_version_max"] for r in records]
+    ages = data.oldest_age
     fig, (hist, per_step) = plt.subplots(1, 2, figsize=(10, 3.4))
     values = list(range(max_age + 1))
-    hist.bar(values, [oldest.count(v) for v in values], color=COLORS["generate"])
+    hist.bar(values, [ages.count(v + 1) for v in values], color=COLORS["generate"])
     hist.set_xticks(values)
     hist.set_xlabel("staleness of the oldest group (steps)")
     hist.set_ylabel("steps")
     hist.set_title(f"distribution (bound A = {max_age})")
-    steps = [r["step"] for r in records]
+    steps, oldest_version = data.step_series("generation_version_min")
+    _, newest_version = data.step_series("generation_version_max")
+    oldest = [t - v for t, v in zip(steps, oldest_version, strict=True)]
+    newest = [t - v for t, v in zip(steps, newest_version, strict=True)]
     per_step.plot(steps, oldest, color=COLORS["generate"], linewidth=1.0, label="oldest group")
     per_step.plot(steps, newest, color=COLORS["train"], linewidth=1.0, label="newest group")
     per_step.axhline(max_age, color="black", linestyle=":", linewidth=0.8, label="bound A")
     per_step.set_xlabel("step")
     per_step.set_ylabel("step - generation version")
+    per_step.set_title(f"per step{_every(data.steps.stride)}")
     per_step.legend(fontsize=8)
     fig.tight_layout()
     return fig
 
 
-def ledger_series(
-    metrics: Records, events: Records, timeline: Records, n: int
-) -> dict[str, list[float]]:
-    """Ordinal counts over time, rebuilt from the records: trained (steps of the current
-    lineage, so a resume from an older checkpoint drops back), buffered, in flight (generation
-    batches running), pending (the rest of the run's final schedule) and skipped (cumulative,
-    from lossy resumes). Times are seconds since the first span."""
-    starts = _events(events, "start")
-    resumes = {e["attempt"]: e for e in _events(events, "resume")}
-    spans = [s for s in timeline if s.get("kind") in ("generate", "train")]
-    if not spans or not starts:
-        return {k: [] for k in ("time", "trained", "buffered", "in_flight", "pending", "skipped")}
-    t0 = min(s["start"] for s in spans)
-    frontier = (max(r["step"] for r in metrics) + 1) * n if metrics else 0
-    times = sorted({s["start"] for s in spans} | {s["start"] + s["seconds"] for s in spans})
-    out: dict[str, list[float]] = {
-        k: [] for k in ("time", "trained", "buffered", "in_flight", "pending", "skipped")
-    }
-    for now in times:
-        launch = max(
-            (e for e in starts if e["time"] <= now), key=lambda e: e["time"], default=starts[0]
-        )
-        attempt, base = launch["attempt"], launch["from_step"] * n
-        kept = len(resumes[attempt]["kept_groups"]) if attempt in resumes else 0
-        mine = [s for s in spans if s.get("attempt") == attempt]
-        trained = base + n * sum(
-            1 for s in mine if s["kind"] == "train" and s["start"] + s["seconds"] <= now
-        )
-        gens = [s for s in mine if s["kind"] == "generate"]
-        finished = kept + sum(  # a chunked batch's groups land with the chunk that ends them
-            len(s["landed"] if "landed" in s else s["ordinals"])
-            for s in gens
-            if s["start"] + s["seconds"] <= now
-        )
-        in_flight = sum(
-            len(s["ordinals"]) for s in gens if s["start"] <= now < s["start"] + s["seconds"]
-        )
-        buffered = max(0, finished - (trained - base))
-        skipped = sum(len(e["skipped_ordinals"]) for a, e in resumes.items() if a <= attempt)
-        out["time"].append(now - t0)
-        out["trained"].append(trained)
-        out["buffered"].append(buffered)
-        out["in_flight"].append(in_flight)
-        out["pending"].append(max(0, frontier - trained - buffered - in_flight))
-        out["skipped"].append(skipped)
-    return out
-
-
-def figure_ledger(metrics: Records, events: Records, timeline: Records, n: int) -> Figure:
-    series = ledger_series(metrics, events, timeline, n)
+def figure_ledger(data: PlotData) -> Figure:
+    series = data.ledger
     fig, axis = plt.subplots(figsize=(10, 3.6))
     keys = ("trained", "buffered", "in_flight", "pending")
     axis.stackplot(
@@ -195,57 +152,57 @@ def figure_ledger(metrics: Records, events: Records, timeline: Records, n: int) 
     return fig
 
 
-def figure_eval(metrics: Records) -> Figure:
+def figure_eval(data: PlotData) -> Figure:
     """The `eval/...` results of the steps that were evaluated, against step, with the
     training reward for comparison."""
-    records = latest_records(metrics)
-    evaluated = [r for r in records if "eval/reward_mean" in r]
+    evaluated = data.evals.items()
     fig, ax = plt.subplots(figsize=(8, 4.5))
-    steps = [r["step"] for r in evaluated]
     keys = ["eval/reward_mean", "eval/pass@1"]
-    keys += sorted({k for r in evaluated for k in r if k.startswith("eval/pass@")} - set(keys))
+    keys += sorted({k for _, r in evaluated for k in r if k.startswith("eval/pass@")} - set(keys))
     keys += ["eval/greedy_reward"]
     for key in keys:
-        points = [(r["step"], r[key]) for r in evaluated if key in r]
+        points = [(step, r[key]) for step, r in evaluated if key in r]
         if points:  # the mean reward dashed: with 0/1 rewards it lies on pass@1
             style = "--" if key == "eval/reward_mean" else "-"
             ax.plot(*zip(*points, strict=True), style, marker="o", label=key[5:])
-    ax.plot(
-        [r["step"] for r in records],
-        [r["reward_mean"] for r in records],
-        color="0.7",
-        linewidth=0.8,
-        label="training reward",
-    )
+    ax.plot(*data.step_series("reward_mean"), color="0.7", linewidth=0.8, label="training reward")
     ax.set_xlabel("step (weights after it)")
     ax.set_ylabel("reward / pass rate")
-    ax.set_title(f"evaluation ({int(evaluated[-1]['eval/num_examples'])} prompts)" if steps else
-                 "evaluation (none recorded)")  # fmt: skip
+    ax.set_title(
+        f"evaluation ({int(evaluated[-1][1]['eval/num_examples'])} prompts"
+        f"{_every(data.evals.stride, 'evaluated step')})"
+        if evaluated
+        else "evaluation (none recorded)"
+    )
     ax.legend(loc="best", fontsize=8)
     ax.grid(alpha=0.3)
     fig.tight_layout()
     return fig
 
 
-def write_plots(run_dir: Path) -> list[Path]:
-    """Renders the plots into `run_dir/plots/` (`eval.png` only for a run that evaluated);
-    returns their paths."""
+def run_plot_data(run_dir: Path) -> tuple[PlotData, int]:
+    """The run dir's records read for the plots, and its `rollout.max_trajectory_age_steps`."""
     config = yaml.safe_load((run_dir / "config.yaml").read_text())
     n = int(config["rollout"]["num_prompts_per_step"])
     age = int(config["rollout"]["max_trajectory_age_steps"])
-    metrics = read_jsonl(run_dir / "metrics.jsonl")
-    events = read_jsonl(run_dir / "events.jsonl")
-    timeline = read_jsonl(run_dir / "timeline.jsonl")
+    files = (iter_jsonl(run_dir / f"{name}.jsonl") for name in ("metrics", "events", "timeline"))
+    return read_plot_data(*files, n), age
+
+
+def write_plots(run_dir: Path, read: tuple[PlotData, int] | None = None) -> list[Path]:
+    """Renders the plots into `run_dir/plots/` (`eval.png` only for a run that evaluated);
+    returns their paths. `read`: `run_plot_data(run_dir)` when the caller has it already."""
+    data, age = read or run_plot_data(run_dir)
     out = run_dir / "plots"
     out.mkdir(exist_ok=True)
     figures = {
-        "reward_loss.png": figure_reward_loss(metrics, events),
-        "timeline.png": figure_timeline(timeline, events),
-        "staleness.png": figure_staleness(metrics, age),
-        "ledger.png": figure_ledger(metrics, events, timeline, n),
+        "reward_loss.png": figure_reward_loss(data),
+        "timeline.png": figure_timeline(data),
+        "staleness.png": figure_staleness(data, age),
+        "ledger.png": figure_ledger(data),
     }
-    if any("eval/reward_mean" in r for r in metrics):
-        figures["eval.png"] = figure_eval(metrics)
+    if data.evals.rows:
+        figures["eval.png"] = figure_eval(data)
     paths = []
     for name, fig in figures.items():
         fig.savefig(out / name, dpi=100)

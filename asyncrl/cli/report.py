@@ -2,36 +2,91 @@
 
 from __future__ import annotations
 
+import math
+from array import array
+from collections.abc import Iterable
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+if TYPE_CHECKING:
+    from asyncrl.cli.plot_data import PlotData
 
 
-def _window_mean(values: list[float], first: bool) -> float:
+SUMMED = ("generation_s", "train_s", "wait_s")
+
+
+@dataclass
+class Summary:
+    """Per step, what the summary shows of its last record, in a few bytes a step (float32
+    columns; NaN: no record), read in one pass."""
+
+    reward: array = field(default_factory=lambda: array("f"))
+    stale: array = field(default_factory=lambda: array("f"))
+    seconds: dict[str, array] = field(default_factory=lambda: {k: array("f") for k in SUMMED})
+    first_eval: dict[str, Any] | None = None
+    last_eval: dict[str, Any] | None = None
+    wall_s: float = 0.0
+
+    def add(self, r: dict[str, Any]) -> None:
+        t = int(r["step"])
+        columns = [self.reward, self.stale, *self.seconds.values()]
+        if t >= len(self.reward):
+            for column in columns:
+                column.extend([math.nan] * (t + 1 - len(column)))
+        self.reward[t] = r["reward_mean"]
+        self.stale[t] = t - r["generation_version_min"]
+        for key, column in self.seconds.items():
+            column[t] = r[key]
+        if "eval/reward_mean" in r:
+            if self.first_eval is None or t <= self.first_eval["step"]:
+                self.first_eval = _eval_fields(r)
+            if self.last_eval is None or t >= self.last_eval["step"]:
+                self.last_eval = _eval_fields(r)
+        if t == len(self.reward) - 1:
+            self.wall_s = float(r["wall_s"])
+
+
+def _eval_fields(r: dict[str, Any]) -> dict[str, Any]:
+    return {k: v for k, v in r.items() if k == "step" or k.startswith("eval/")}
+
+
+def read_summary(metrics: Iterable[dict[str, Any]]) -> Summary:
+    summary = Summary()
+    for record in metrics:
+        summary.add(record)
+    return summary
+
+
+def _window_mean(values: np.ndarray, first: bool) -> float:
     k = max(1, len(values) // 10)
-    part = values[:k] if first else values[-k:]
-    return sum(part) / len(part)
+    return float((values[:k] if first else values[-k:]).mean())
 
 
-def summarize(records: list[dict[str, Any]], run_dir: Path, wall_s: float) -> str:
+def summarize(summary: Summary, run_dir: Path) -> str:
     """A one-screen text summary of a finished run."""
-    if not records:
+    present = ~np.isnan(np.asarray(summary.reward, dtype=np.float64))
+    if not present.any():
         return f"asyncrl: no steps were trained; run dir {run_dir}"
-    rewards = [r["reward_mean"] for r in records]
-    stale = [r["step"] - r["generation_version_min"] for r in records]
-    gen_s = sum(r["generation_s"] for r in records)
-    train_s = sum(r["train_s"] for r in records)
-    wait_s = sum(r["wait_s"] for r in records)
-    async_steps = sum(1 for r in records if r["generation_version_min"] < r["step"])
+
+    def column(values: array) -> np.ndarray:
+        return np.asarray(values, dtype=np.float64)[present]
+
+    rewards, stale = column(summary.reward), column(summary.stale)
+    total = {k: float(column(c).sum()) for k, c in summary.seconds.items()}
+    wall_s, n = summary.wall_s, len(rewards)
     lines = [
-        f"asyncrl: {len(records)} steps in {wall_s:.1f} s "
-        f"({len(records) / max(wall_s, 1e-9):.2f} steps/s), run dir {run_dir}",
+        f"asyncrl: {n} steps in {wall_s:.1f} s ({n / max(wall_s, 1e-9):.2f} steps/s), "
+        f"run dir {run_dir}",
         f"  reward_mean   first 10%: {_window_mean(rewards, True):.3f}   "
-        f"last 10%: {_window_mean(rewards, False):.3f}   best: {max(rewards):.3f}",
-        f"  staleness     mean {sum(stale) / len(stale):.2f} steps, max {max(stale)}; "
-        f"{async_steps}/{len(records)} steps trained on older weights",
-        f"  time          generation {gen_s:.1f} s, training {train_s:.1f} s, "
-        f"trainer waited {wait_s:.1f} s for rollouts",
-        *_eval_lines(records),
+        f"last 10%: {_window_mean(rewards, False):.3f}   best: {rewards.max():.3f}",
+        f"  staleness     mean {stale.mean():.2f} steps, max {int(stale.max())}; "
+        f"{int((stale > 0).sum())}/{n} steps trained on older weights",
+        f"  time          generation {total['generation_s']:.1f} s, training "
+        f"{total['train_s']:.1f} s, trainer waited {total['wait_s']:.1f} s for rollouts",
+        *_eval_lines(summary.first_eval, summary.last_eval),
         "  files         config.yaml metrics.jsonl events.jsonl timeline.jsonl "
         "reward_curve.png final_model/ checkpoints/"
         + "".join(f" {d}/" for d in OPTIONAL_DIRS if (run_dir / d).exists()),
@@ -44,12 +99,10 @@ OPTIONAL_DIRS = ("tensorboard", "wandb", "mlruns")
 """Run-dir folders the summary lists when the run wrote them (the trackers')."""
 
 
-def _eval_lines(records: list[dict[str, Any]]) -> list[str]:
+def _eval_lines(first: dict[str, Any] | None, last: dict[str, Any] | None) -> list[str]:
     """The first and last evaluation's results, when the run evaluated."""
-    evaluated = [r for r in records if "eval/reward_mean" in r]
-    if not evaluated:
+    if first is None or last is None:
         return []
-    first, last = evaluated[0], evaluated[-1]
     k = next((key for key in last if key.startswith("eval/pass@") and key != "eval/pass@1"), "")
 
     def result(r: dict[str, Any]) -> str:
@@ -59,16 +112,16 @@ def _eval_lines(records: list[dict[str, Any]]) -> list[str]:
     return [f"  eval          {result(first)}  ->  {result(last)}"]
 
 
-def plot_reward_curve(records: list[dict[str, Any]], path: Path) -> None:
-    """reward_mean against step and against wall time, side by side, as a PNG."""
+def plot_reward_curve(data: PlotData, path: Path) -> None:
+    """reward_mean against step and against wall time, side by side, as a PNG (a long run's
+    every k-th step, as `asyncrl plot` draws it)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    steps = [r["step"] for r in records]
-    rewards = [r["reward_mean"] for r in records]
-    wall = [r["wall_s"] for r in records]
+    steps, rewards = data.step_series("reward_mean")
+    wall = data.wall_at(steps)
     fig, (by_step, by_time) = plt.subplots(1, 2, figsize=(9, 3.4), sharey=True)
     for axis, xs, label in ((by_step, steps, "step"), (by_time, wall, "wall time (s)")):
         axis.plot(xs, rewards, color="tab:blue", linewidth=1.2)
@@ -84,12 +137,14 @@ def plot_reward_curve(records: list[dict[str, Any]], path: Path) -> None:
 
 def end_of_run_report(run_dir: Path, plot: bool) -> str:
     """The summary of a finished run from its own records, after writing its plots if `plot`
-    (`asyncrl train` prints it once `train()` returned)."""
-    from asyncrl.cli.plots import write_plots
-    from asyncrl.train.records import latest_records, read_jsonl
+    (`asyncrl train` prints it once `train()` returned). Each record file is read once, a
+    line at a time."""
+    from asyncrl.cli.plots import run_plot_data, write_plots
+    from asyncrl.train.records import iter_jsonl
 
-    records = latest_records(read_jsonl(run_dir / "metrics.jsonl"))
-    if plot and records:
-        plot_reward_curve(records, run_dir / "reward_curve.png")
-        write_plots(run_dir)
-    return summarize(records, run_dir, records[-1]["wall_s"] if records else 0.0)
+    summary = read_summary(iter_jsonl(run_dir / "metrics.jsonl"))
+    if plot and len(summary.reward):
+        data, age = run_plot_data(run_dir)
+        plot_reward_curve(data, run_dir / "reward_curve.png")
+        write_plots(run_dir, (data, age))
+    return summarize(summary, run_dir)

@@ -84,6 +84,29 @@ class Chunk:
     token_counts: list[list[int]]
     landed: list[int] = field(default_factory=list)
     """Ordinals whose groups finished with this chunk and went to the buffer."""
+    chunks: int = 1
+    """Engine passes this record covers (`merged`: consecutive passes over the same tickets
+    with the same weights are one timeline row)."""
+
+    def merged(self, later: Chunk) -> Chunk:
+        """This pass and the `later` one over the same tickets and version as one: from this
+        start, their seconds and token counts added (a sample's tokens are contiguous)."""
+        assert later.version == self.version and later.ordinals == self.ordinals
+        counts = [
+            [a + b for a, b in zip(x, y, strict=True)]
+            for x, y in zip(self.token_counts, later.token_counts, strict=True)
+        ]
+        return replace(
+            self,
+            seconds=self.seconds + later.seconds,
+            token_counts=counts,
+            landed=later.landed,
+            chunks=self.chunks + later.chunks,
+        )
+
+    @property
+    def ordinals(self) -> tuple[int, ...]:
+        return tuple(t.ordinal for t in self.tickets)
 
 
 class Collector:
@@ -140,6 +163,9 @@ class Collector:
         self._stop = False
         self._error: BaseException | None = None
         self._died: BaseException | None = None  # what ended the generation thread last
+        self._spans: dict[tuple[int, tuple[int, ...]], Chunk] = {}
+        """Engine passes not yet recorded (`on_batch`), by version and tickets; guarded by
+        `_cond`. A row is written when groups land, at a cut, and when the batch ends."""
         self._thread = threading.Thread(target=self._run, name="asyncrl-collector", daemon=True)
 
     def start(self) -> None:
@@ -193,7 +219,30 @@ class Collector:
         read inside it are one consistent cut: every ordinal in exactly one place. Generation
         itself goes on."""
         with self._cond:
+            self._record_spans()  # the cut's partials: their tokens are on the record first
             yield
+
+    def _record_spans(self, ordinals: set[int] | None = None) -> None:
+        """Writes the pending timeline rows (those holding any of `ordinals`; None: all).
+        Called under `_cond`."""
+        for key in [k for k in self._spans if ordinals is None or ordinals & set(k[1])]:
+            chunk = self._spans.pop(key)
+            if self.on_batch is not None:
+                self.on_batch(chunk)
+
+    def _add_span(self, chunk: Chunk) -> None:
+        """Adds an engine pass to the pending rows (called under `_cond`): merged with the
+        previous pass over the same tickets and version, else after writing any pending row
+        of its tickets (so each ordinal's rows stay in the order they were generated); written
+        at once if groups landed with it (before they can be checkpointed)."""
+        key = (chunk.version, chunk.ordinals)
+        if key in self._spans:
+            chunk = self._spans[key].merged(chunk)
+        else:
+            self._record_spans(set(chunk.ordinals))
+        self._spans[key] = chunk
+        if chunk.landed:
+            self._record_spans(set(chunk.ordinals))
 
     def _admit(self) -> list[PromptTicket]:
         with self._cond:
@@ -224,6 +273,7 @@ class Collector:
                 raise
             except BaseException as err:  # SystemExit from a helper too: counted, reported
                 with self._cond:
+                    self._record_spans()  # what the batch generated before it failed
                     self.ledger.fail([t for t in tickets if t.ordinal in self.ledger.in_flight])
                 if self._stop:
                     return  # the run is ending; its logs may already be closed
@@ -280,9 +330,8 @@ class Collector:
                         wanted[t.ordinal] = chunk.version  # the rest of the batch keeps it
                 landed = [t for t in group if partials[t.ordinal].done]
                 groups = [self._group(t, partials[t.ordinal], seconds[t.ordinal]) for t in landed]
-                if self.on_batch is not None:  # recorded before the groups can be checkpointed
-                    self.on_batch(replace(chunk, landed=[t.ordinal for t in landed]))
                 with self._cond:  # one chunk's results land together
+                    self._add_span(replace(chunk, landed=[t.ordinal for t in landed]))
                     for t in group:
                         if partials[t.ordinal].done:
                             continue
@@ -294,7 +343,9 @@ class Collector:
                     fault_point("collector.group_buffered")
                 fault_point("collector.chunk_done")
             if self._stop:
-                return  # between chunks: the partials are in the ledger
+                break  # between chunks: the partials are in the ledger
+        with self._cond:
+            self._record_spans()  # the batch's last rows
 
     def _wanted_version(self, ticket: PromptTicket, partial: Partial) -> int | None:
         """The weights version a ticket's next chunk asks for (None: the newest published)."""

@@ -11,8 +11,11 @@ import json
 import sys
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
+
+import orjson
 
 from asyncrl.config import LoggingConfig
 from asyncrl.core.types import Group
@@ -118,35 +121,37 @@ class TensorBoardSink:
 def read_jsonl(path: Path) -> list[dict[str, Any]]:
     """Reads a JSON-lines file; a torn last line (from a kill mid-write) is ignored, and so is
     any other undecodable line (`read_jsonl_checked` names those)."""
-    return read_jsonl_checked(path)[0]
+    return list(iter_jsonl(path))
 
 
 def read_jsonl_checked(path: Path) -> tuple[list[dict[str, Any]], list[str]]:
-    """The records of a JSON-lines file, and a `FILE:LINE: ...` problem for every line that is
-    not a JSON object, except a torn one (a record cut short by a kill mid-write: the last
-    line, or, in a run dir written before relaunches cut them off, a line a relaunch ended).
-    Lines are counted from 1."""
-    records: list[dict[str, Any]] = []
+    """The records of a JSON-lines file, and the problems `iter_jsonl` finds in it."""
     problems: list[str] = []
+    return list(iter_jsonl(path, problems)), problems
+
+
+def iter_jsonl(path: Path, problems: list[str] | None = None) -> Iterator[dict[str, Any]]:
+    """The records of a JSON-lines file, one line in memory at a time. Appends to `problems`
+    a `FILE:LINE: ...` for every line that is not a JSON object, except a torn one (a record
+    cut short by a kill mid-write: the last line, or, in a run dir written before relaunches
+    cut them off, a line a relaunch ended). Lines are counted from 1. No file: no records."""
     if not path.exists():
-        return records, problems
-    data = path.read_bytes()
-    lines = data.split(b"\n")
-    torn_last = not data.endswith(b"\n")
-    for number, raw in enumerate(lines, start=1):
-        if not raw.strip():
-            continue
-        try:
-            record = json.loads(raw)
-        except (json.JSONDecodeError, UnicodeDecodeError) as err:
-            if not (torn_last and number == len(lines)) and not _torn(raw):
-                problems.append(f"{path.name}:{number}: not a JSON record ({err})")
-            continue
-        if isinstance(record, dict):
-            records.append(record)
-        else:
-            problems.append(f"{path.name}:{number}: not a JSON object")
-    return records, problems
+        return
+    with path.open("rb") as f:
+        for number, raw in enumerate(f, start=1):
+            if not raw.strip():
+                continue
+            try:
+                record = orjson.loads(raw)  # ~5x the standard library's json (a pass is O(run))
+            except orjson.JSONDecodeError as err:  # a subclass of json's, bad UTF-8 included
+                last_and_torn = not raw.endswith(b"\n")  # only the last line can lack one
+                if problems is not None and not last_and_torn and not _torn(raw.rstrip(b"\n")):
+                    problems.append(f"{path.name}:{number}: not a JSON record ({err})")
+                continue
+            if isinstance(record, dict):
+                yield record
+            elif problems is not None:
+                problems.append(f"{path.name}:{number}: not a JSON object")
 
 
 def latest_records(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -167,19 +172,30 @@ def unix_time(perf_s: float) -> float:
 
 
 def generation_span(chunk: Chunk, attempt: int) -> dict[str, Any]:
-    """The `timeline.jsonl` row of one engine call (a batch, or one chunk of it)."""
+    """The `timeline.jsonl` row of a batch's consecutive engine passes over the same tickets
+    with the same weights (`chunks` of them): per ticket and sample its first new token and
+    how many it got."""
     return {
         "kind": "generate",
         "start": unix_time(chunk.start),
         "seconds": chunk.seconds,
+        "chunks": chunk.chunks,
         "version": chunk.version,
         "attempt": attempt,
         "ordinals": [t.ordinal for t in chunk.tickets],
         "targets": [t.target_step for t in chunk.tickets],
-        "token_starts": chunk.token_starts,
+        # omitted when every sample starts at its first token (a batch not continued)
+        **({"token_starts": chunk.token_starts} if any(map(any, chunk.token_starts)) else {}),
         "token_counts": chunk.token_counts,
         "landed": chunk.landed,
     }
+
+
+def span_token_starts(span: dict[str, Any]) -> list[list[int]]:
+    """A `generate` row's token starts per ticket and sample (zeros where it omits them)."""
+    if "token_starts" in span:
+        return span["token_starts"]
+    return [[0] * len(counts) for counts in span.get("token_counts", [])]
 
 
 def plan_fields(

@@ -27,7 +27,7 @@ from asyncrl.checkpoint.store import (
 from asyncrl.config import Config, ModelConfig
 from asyncrl.config.keys import dump_config, resume_rule, semantic_differences
 from asyncrl.core.stream import DataChanged, PromptStream
-from asyncrl.train.records import read_jsonl
+from asyncrl.train.records import iter_jsonl
 
 SCRATCH_DIR = ".scratch"
 """Files a launch writes for itself only (vLLM's copy of the model, the ranks' rendezvous):
@@ -101,7 +101,7 @@ def _launches(path: Path) -> int:
     launches = json.loads((path / "run.json").read_text()).get("launches")
     if launches is not None:
         return int(launches)
-    return sum(1 for e in read_jsonl(path / "events.jsonl") if e.get("event") == "start")
+    return sum(1 for e in iter_jsonl(path / "events.jsonl") if e.get("event") == "start")
 
 
 def record_launch(run: RunDir) -> None:

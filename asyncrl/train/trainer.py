@@ -57,9 +57,8 @@ from asyncrl.train.ranks import (
 from asyncrl.train.records import (
     RunLogs,
     generation_span,
-    latest_records,
+    iter_jsonl,
     plan_fields,
-    read_jsonl,
     resume_line,
     step_record,
     unix_time,
@@ -316,8 +315,8 @@ class Trainer:
         across attempts: the checkpoint's (the last step record's `wall_s` before it)."""
         if self._wall_s is not None or not self.step:
             return self._wall_s or 0.0
-        earlier = [r for r in read_jsonl(self.run_dir / "metrics.jsonl") if r["step"] < self.step]
-        return max((r["wall_s"] for r in latest_records(earlier)), default=0.0)
+        walls = {r["step"]: r["wall_s"] for r in iter_jsonl(self.run_dir / "metrics.jsonl")}
+        return max((w for t, w in walls.items() if t < self.step), default=0.0)
 
     def _on_preempted(self, stop: Preempted) -> None:
         """The emergency checkpoint, first: the cut needs no pause of generation, and a
