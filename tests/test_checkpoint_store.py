@@ -183,9 +183,9 @@ def test_a_new_checkpoint_records_the_format_version_it_was_written_in(tmp_path)
     store = CheckpointStore(tmp_path, run_id="r1")
     save_steps(store, 1)
     manifest = json.loads((tmp_path / "step_000001" / "manifest.json").read_text())
-    assert manifest["format"] == "asyncrl-checkpoint" and manifest["format_version"] == 2
-    assert FORMAT_VERSION == 2 and SUPPORTED_FORMAT_VERSIONS == (1, 2, 3)
-    assert store.latest()[0].format_version == 2
+    assert manifest["format"] == "asyncrl-checkpoint" and manifest["format_version"] == 4
+    assert FORMAT_VERSION == 4 and SUPPORTED_FORMAT_VERSIONS == (1, 2, 3, 4, 5)
+    assert store.latest()[0].format_version == 4
 
 
 def test_a_checkpoint_written_before_format_versions_reads_as_version_1(tmp_path):

@@ -50,6 +50,8 @@ FROZEN_CONFIG_KEYS = [
     "algo.kl_in_reward", "algo.gamma",
     "algo.lam", "algo.normalize_advantages", "algo.ppo_epochs", "algo.num_minibatches",
     "algo.critic_lr", "algo.value_clip_eps", "algo.critic_warmup_steps", "algo.tis_cap",
+    # the `rloo` algorithm's own keys (asyncrl/config/algos.py RLOOOptions)
+    "algo.entropy_scale",
     "checkpoint.save_period", "checkpoint.keep_last", "checkpoint.resume_policy",
     "checkpoint.staging_buffer",
     "eval.every_steps", "eval.path", "eval.split", "eval.max_examples", "eval.num_samples",

@@ -165,7 +165,7 @@ def test_a_full_disk_during_a_save_stops_the_run_and_keeps_the_previous_checkpoi
 
     def write(path, data):
         calls["n"] += 1
-        if calls["n"] == 6:  # the second checkpoint's second file
+        if calls["n"] == 7:  # the second checkpoint's second file (5 files a checkpoint)
             raise OSError(errno.ENOSPC, "No space left on device", str(path))
         return real(path, data)
 

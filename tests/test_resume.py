@@ -129,7 +129,7 @@ def test_a_resume_decodes_the_checkpoint_once_and_keeps_no_copy_of_it(tmp_path, 
     trainer = Trainer(config, opened)
     try:
         trainer.resume()
-        assert len(files_read) == 2  # model.safetensors and state.safetensors, once each
+        assert len(files_read) == 3  # model, state and rollout .safetensors, once each
         gc.collect()
         assert len(decoded) > 1 and all(ref() is None for ref in decoded)
     finally:

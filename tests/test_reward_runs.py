@@ -136,10 +136,10 @@ def test_reward_components_go_through_a_checkpoint_and_a_preempted_run_resumes_t
     assert event["kept_groups"], "the preemption checkpoint held buffered groups"
     assert parts(resumed) == parts(whole)
     # negative control: a checkpoint that drops the components is caught by the same comparison
-    real_state = buffer_module._group_state
+    real_state = buffer_module.group_state
     monkeypatch.setattr(
         buffer_module,
-        "_group_state",
+        "group_state",
         lambda g: {k: v for k, v in real_state(g).items() if k != "reward_components"},
     )
     assert parts(run("lossy", stop_after=3)) != parts(whole)

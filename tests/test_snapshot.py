@@ -165,3 +165,45 @@ def test_a_cut_whose_parts_do_not_fit_together_is_refused(tmp_path):
     parts["trainer"]["step"] = 0
     with pytest.raises(CheckpointError, match="5 buffered groups, capacity 4"):
         check_cut(parts, num_prompts_per_step=4, capacity=4)
+
+
+def test_the_ledger_and_buffer_have_a_file_of_their_own_that_inspect_reads_alone(
+    tmp_path, monkeypatch
+):
+    """Format 4: `rollout.safetensors` holds the ledger's and buffer's tensors and nothing
+    else, so `inspect` reads (and hashes) kilobytes instead of a state file that holds the
+    optimizer's moments (in format 2 it read all of state.safetensors)."""
+    from asyncrl.checkpoint.snapshot import ROLLOUT_FILE, STATE_FILE, decode_parts
+    from asyncrl.checkpoint.store import Verified
+
+    trainer = tiny_trainer(tmp_path)
+    snapshot = trainer.capture()[0].snapshot()
+    store = CheckpointStore(tmp_path / "ckpt", run_id="r1")
+    store.save(3, encode(snapshot), "h")
+    written = store.latest()[0]
+    assert written is not None and written.format_version == 4
+    with safe_open(written.path / ROLLOUT_FILE, "pt") as f:
+        rollout = set(f.keys())
+    with safe_open(written.path / STATE_FILE, "pt") as f:
+        state = set(f.keys())
+    assert rollout and {name.split("/")[0] for name in rollout} == {"buffer"} | (
+        {"ledger"} if any(n.startswith("ledger/") for n in rollout) else set()
+    )
+    assert not {n for n in state if n.split("/")[0] in ("ledger", "buffer")}
+    assert any(n.startswith("algorithm/optimizer/") for n in state)
+    read: list[str] = []
+    real = Verified.read_with
+
+    def recording(self, name, reader):
+        read.append(name)
+        return real(self, name, reader)
+
+    monkeypatch.setattr(Verified, "read_with", recording)
+    parts = decode_parts(written, ("ledger", "buffer"))
+    assert [n for n in read if n.endswith(".safetensors")] == [ROLLOUT_FILE]
+    assert_same(parts["buffer"], snapshot.parts["buffer"])
+    assert_same(parts["ledger"], snapshot.parts["ledger"])
+    read.clear()
+    assert_same(decode(written).parts, snapshot.parts)  # and a resume reads every file
+    tensor_files = sorted(n for n in read if n.endswith(".safetensors"))
+    assert tensor_files == sorted(["model.safetensors", ROLLOUT_FILE, STATE_FILE])

@@ -12,15 +12,12 @@ import torch
 from test_snapshot import assert_same, tiny_trainer
 
 import asyncrl.checkpoint.staging as staging
-from asyncrl.checkpoint.staging import MODEL_FILE, STATE_FILE, StagingArea
+from asyncrl.checkpoint.snapshot import MODEL_FILE, tensor_files
+from asyncrl.checkpoint.staging import StagingArea
 
 
 def buffers(cut) -> dict[str, int]:
-    return {
-        f"{f}:{n}": t.data_ptr()
-        for f in (MODEL_FILE, STATE_FILE)
-        for n, t in cut.tensors[f].items()
-    }
+    return {f"{f}:{n}": t.data_ptr() for f in tensor_files() for n, t in cut.tensors[f].items()}
 
 
 def test_a_second_save_reuses_the_staging_buffers_of_the_first(tmp_path):

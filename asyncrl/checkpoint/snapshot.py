@@ -8,13 +8,16 @@ A part is anything with `state_dict()` / `load_state_dict()`; the trainer names 
 groups) and `generation` (older weights versions deterministic mode still generates with).
 This module knows no part by its contents, and no algorithm.
 
-Files of a checkpoint directory (format 2):
+Files of a checkpoint directory (format 4):
     model.safetensors   the `model` part: tensors under their own names (tied ones stored once)
+    rollout.safetensors the `ledger` and `buffer` parts' tensors (partial samples, finished
+                        groups): kilobytes that `inspect` reads without the optimizer's moments
     state.safetensors   every other part's tensors, named `PART/PATH/IN/ITS/STATE`
-    state.json          {"format_version": 2, "parts": {PART: its state with each tensor
+    state.json          {"format_version": 4, "parts": {PART: its state with each tensor
                         replaced by {"__tensor__": NAME}}, "config": the run's config}
-Format 3 is a sharded run's (`train.num_processes` > 1): the same files, plus each other
-rank's rows of the sharded tensors in its own files (`asyncrl.checkpoint.shards`).
+Format 5 is a sharded run's (`train.num_processes` > 1): the same files, plus each other
+rank's rows of the sharded tensors in its own files (`asyncrl.checkpoint.shards`). Formats 2
+and 3 (before rollout.safetensors) are 4 and 5 with the ledger and buffer in the state file.
 Nothing is a pickle: loading a checkpoint cannot execute code (DESIGN.md I7). Format 1
 checkpoints are read by `asyncrl.checkpoint.legacy`.
 
@@ -25,6 +28,7 @@ A run stages its cut with `asyncrl.checkpoint.staging`; `encode` writes a `Snaps
 
 from __future__ import annotations
 
+import functools
 import json
 import random
 from dataclasses import dataclass
@@ -47,6 +51,7 @@ from asyncrl.checkpoint.shards import (
 )
 from asyncrl.checkpoint.store import (
     FORMAT_VERSION,
+    ROLLOUT_FILE_VERSIONS,
     SHARDED_FORMAT_VERSION,
     CheckpointError,
     FileSource,
@@ -56,10 +61,27 @@ from asyncrl.checkpoint.tensorfile import read_tensors, tensor_writer
 
 MODEL_FILE = "model.safetensors"
 STATE_FILE = "state.safetensors"
+ROLLOUT_FILE = "rollout.safetensors"
 FILES = (MODEL_FILE, STATE_FILE, "state.json")
-"""Every checkpoint holds exactly these (plus manifest.json)."""
+"""Every checkpoint holds these (plus manifest.json, and from format 4 `ROLLOUT_FILE`)."""
+ROLLOUT_PARTS = ("ledger", "buffer")
+"""The parts whose tensors are in `ROLLOUT_FILE` (format 4 on)."""
 MODEL_PART = "model"
 """The part stored in model.safetensors under its own tensor names."""
+
+
+def part_file(name: str, version: int = FORMAT_VERSION) -> str:
+    """The tensor file that holds part `name`'s tensors in a checkpoint of format `version`."""
+    if name == MODEL_PART:
+        return MODEL_FILE
+    if name in ROLLOUT_PARTS and version in ROLLOUT_FILE_VERSIONS:
+        return ROLLOUT_FILE
+    return STATE_FILE
+
+
+def tensor_files(version: int = FORMAT_VERSION) -> tuple[str, ...]:
+    """The tensor files of a checkpoint of format `version` (2 on)."""
+    return (MODEL_FILE, STATE_FILE, *((ROLLOUT_FILE,) if version in ROLLOUT_FILE_VERSIONS else ()))
 
 
 class Stateful(Protocol):
@@ -192,26 +214,24 @@ def encode(snapshot: Snapshot) -> dict[str, FileSource]:
     """The checkpoint files of a snapshot (format 2) as `CheckpointStore.save` takes them:
     tensor files streamed straight from the snapshot's tensors (which must not change until
     they are written), state.json as bytes."""
-    model_tensors: dict[str, torch.Tensor] = {}
-    tensors: dict[str, torch.Tensor] = {}
+    tensors: dict[str, dict[str, torch.Tensor]] = {f: {} for f in tensor_files()}
     parts = {
-        name: flatten_part(name, state, model_tensors if name == MODEL_PART else tensors)
+        name: flatten_part(name, state, tensors[part_file(name)])
         for name, state in snapshot.parts.items()
     }
-    return checkpoint_files(parts, snapshot.config, model_tensors, tensors)
+    return checkpoint_files(parts, snapshot.config, tensors)
 
 
 def checkpoint_files(
     trees: dict[str, Any],
     config: dict[str, Any],
-    model_tensors: dict[str, torch.Tensor],
-    tensors: dict[str, torch.Tensor],
+    tensors: dict[str, dict[str, torch.Tensor]],
     num_shards: int = 1,
 ) -> dict[str, FileSource]:
-    """The files of format 2 from the parts' JSON trees and the tensors they name: the tensor
-    files as writers that stream them, state.json as bytes. With `num_shards` > 1 (a sharded
-    run's rank 0), format 3: the other ranks' files are written by those ranks
-    (`asyncrl.checkpoint.shards`)."""
+    """The files of format 4 from the parts' JSON trees and the tensors they name (by tensor
+    file): the tensor files as writers that stream them, state.json as bytes. With
+    `num_shards` > 1 (a sharded run's rank 0), format 5: the other ranks' files are written by
+    those ranks (`asyncrl.checkpoint.shards`)."""
     state_json: dict[str, Any] = {
         "format_version": SHARDED_FORMAT_VERSION if num_shards > 1 else FORMAT_VERSION,
         "parts": trees,
@@ -219,11 +239,12 @@ def checkpoint_files(
     }
     if num_shards > 1:
         state_json["num_shards"] = num_shards
-    return {
-        MODEL_FILE: tensor_writer({k: local(t) for k, t in model_tensors.items()}),
-        STATE_FILE: tensor_writer({k: local(t) for k, t in tensors.items()}),
-        "state.json": json.dumps(state_json).encode(),
+    files: dict[str, FileSource] = {
+        file: tensor_writer({k: local(t) for k, t in tensors.get(file, {}).items()})
+        for file in tensor_files()
     }
+    files["state.json"] = json.dumps(state_json).encode()
+    return files
 
 
 def format_version(verified: Verified) -> int:
@@ -262,23 +283,25 @@ def decode(verified: Verified, templates: dict[str, Any] | None = None) -> Snaps
     live state holds one; every other tensor is read whole, its rows gathered from every rank's
     file (so `inspect`, `export` and `eval` read full weights)."""
     state = read_state(verified)
+    version = format_version(verified)
     try:
-        model = verified.read_with(MODEL_FILE, read_tensors)
-        tensors = verified.read_with(STATE_FILE, read_tensors)
+        read = {f: verified.read_with(f, read_tensors) for f in tensor_files(max(version, 2))}
     except (KeyError, ValueError, OSError) as err:
         raise CheckpointError(f"{verified.path}: tensors unreadable ({err})") from None
     try:
-        if format_version(verified) == 1:
-            return Snapshot(parts_from_v1(state, model, tensors), state["config"])
+        if version == 1:
+            return Snapshot(
+                parts_from_v1(state, read[MODEL_FILE], read[STATE_FILE]), state["config"]
+            )
         num_shards = int(state.get("num_shards", 1))
-        files = {
-            MODEL_FILE: ShardedFile(verified, MODEL_FILE, model, num_shards),
-            STATE_FILE: ShardedFile(verified, STATE_FILE, tensors, num_shards),
+        files = {  # the rollout parts are rank 0's alone: never sharded
+            f: ShardedFile(verified, f, tensors, num_shards if f != ROLLOUT_FILE else 1)
+            for f, tensors in read.items()
         }
         parts = {}
         for name, tree in state["parts"].items():
-            file = MODEL_FILE if name == MODEL_PART else STATE_FILE
-            found = model if name == MODEL_PART else tensors
+            file = part_file(name, version)
+            found = read[file]
             template = (templates or {}).get(name)
             if num_shards > 1 or template is not None:
                 live: dict[str, torch.Tensor] = {}
@@ -294,20 +317,30 @@ def decode(verified: Verified, templates: dict[str, Any] | None = None) -> Snaps
 
 
 def decode_parts(verified: Verified, names: tuple[str, ...]) -> dict[str, Any]:
-    """Parts `names` of a verified checkpoint with their tensors, read from the state file
-    only (never the model's), holding in memory only the tensors those parts name (the file
-    is still hashed whole against the manifest): what `inspect` needs to count tokens, without
-    the optimizer's moments or a critic."""
-    if format_version(verified) == 1:
+    """Parts `names` of a verified checkpoint with their tensors, read from the files that
+    hold them only (never the model's), holding in memory only the tensors those parts name
+    (each file read is still hashed whole against the manifest): what `inspect` needs to count
+    tokens. From format 4 the ledger and buffer have a file of their own, so that is kilobytes,
+    not the optimizer's moments or a critic."""
+    version = format_version(verified)
+    if version == 1:
         snapshot = decode(verified)
         return {name: snapshot.parts[name] for name in names}
     state = read_state(verified)
     try:
-        wanted = set().union(*(tensor_refs(state["parts"][name]) for name in names))
-        tensors = verified.read_with(STATE_FILE, lambda f, n: read_tensors(f, n, wanted))
+        tensors: dict[str, torch.Tensor] = {}
+        for file in sorted({part_file(name, version) for name in names}):
+            wanted = set().union(
+                *(tensor_refs(state["parts"][n]) for n in names if part_file(n, version) == file)
+            )
+            tensors.update(verified.read_with(file, functools.partial(_read_wanted, wanted)))
         return {name: unflatten(state["parts"][name], tensors) for name in names}
     except (KeyError, TypeError, ValueError, OSError) as err:
         raise CheckpointError(f"{verified.path}: state unreadable ({err!r})") from None
+
+
+def _read_wanted(wanted: set[str], f: Any, size: int) -> Any:
+    return read_tensors(f, size, wanted)
 
 
 def tensor_refs(tree: Any) -> set[str]:
@@ -319,13 +352,14 @@ def check_tensor_files(verified: Verified, parts: dict[str, Any]) -> None:
     """Refuses a checkpoint whose tensor files are not safetensors, or (format 2) lack a tensor
     its state names. Reads only the files' headers."""
     headers: dict[str, set[str]] = {}
-    for name in (MODEL_FILE, STATE_FILE):
+    version = format_version(verified)
+    for name in tensor_files(max(version, 2)):
         try:
             with safe_open(verified.path / name, "pt") as f:
                 headers[name] = set(f.keys())
         except (OSError, SafetensorError, ValueError) as err:
             raise CheckpointError(f"{verified.path / name}: tensors unreadable ({err})") from None
-    if format_version(verified) == 1:
+    if version == 1:
         return
     num_shards = int(read_state(verified).get("num_shards", 1))
     missing_files = missing_rank_files(
@@ -336,7 +370,7 @@ def check_tensor_files(verified: Verified, parts: dict[str, Any]) -> None:
             f"{verified.path}: a checkpoint of {num_shards} ranks without {missing_files[0]}"
         )
     for part, tree in parts.items():
-        file = MODEL_FILE if part == MODEL_PART else STATE_FILE
+        file = part_file(part, version)
         missing = sorted(tensor_refs(tree) - headers[file])
         if missing:
             raise CheckpointError(
@@ -356,7 +390,7 @@ def _check_rank_rows(verified: Verified, parts: dict[str, Any], num_shards: int)
             shapes = {
                 name: [int(d) for d in shape]
                 for part, tree in parts.items()
-                if (MODEL_FILE if part == MODEL_PART else STATE_FILE) == file
+                if part_file(part, verified.format_version) == file
                 for name, shape in sharded_shapes(tree).items()
             }
         except (KeyError, TypeError, ValueError) as err:

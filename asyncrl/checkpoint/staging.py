@@ -42,13 +42,12 @@ import torch
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from asyncrl.checkpoint.snapshot import (
-    MODEL_FILE,
-    MODEL_PART,
-    STATE_FILE,
     Snapshot,
     checkpoint_files,
     flatten_part,
     local,
+    part_file,
+    tensor_files,
     unflatten,
 )
 from asyncrl.checkpoint.store import FileSource
@@ -162,7 +161,7 @@ class Cut:
     trees: dict[str, Any]
     config: dict[str, Any]
     tensors: dict[str, dict[str, torch.Tensor]] = field(
-        default_factory=lambda: {MODEL_FILE: {}, STATE_FILE: {}}
+        default_factory=lambda: {f: {} for f in tensor_files()}
     )
     job: StagingJob | None = None
     area: StagingArea | None = None
@@ -188,23 +187,17 @@ class Cut:
             self.job.wait()
 
     def files(self) -> dict[str, FileSource]:
-        """The checkpoint's files (format 2) as `CheckpointStore.save` takes them: the tensor
+        """The checkpoint's files (format 4) as `CheckpointStore.save` takes them: the tensor
         files streamed from the staging buffers, state.json as bytes. Waits for the copy."""
         self.wait_staged()
-        return checkpoint_files(
-            self.trees,
-            self.config,
-            self.tensors[MODEL_FILE],
-            self.tensors[STATE_FILE],
-            self.num_shards,
-        )
+        return checkpoint_files(self.trees, self.config, self.tensors, self.num_shards)
 
     def snapshot(self) -> Snapshot:
         """The cut as a `Snapshot` whose tensors are the staging buffers (valid until the next
         `stage` of the area). Waits for the copy."""
         self.wait_staged()
         parts = {
-            name: unflatten(tree, self.tensors[MODEL_FILE if name == MODEL_PART else STATE_FILE])
+            name: unflatten(tree, self.tensors[part_file(name)])
             for name, tree in self.trees.items()
         }
         return Snapshot(parts, self.config)
@@ -214,7 +207,7 @@ class Cut:
         lets go of them (it is not readable after this)."""
         if self.area is not None:
             self.area.release(self)
-        self.tensors = {MODEL_FILE: {}, STATE_FILE: {}}
+        self.tensors = {f: {} for f in tensor_files()}
         if self.written is not None:  # a save that failed before its manifest
             with contextlib.suppress(Exception):  # the save's own error is the one to report
                 self.written()
@@ -275,7 +268,7 @@ class StagingArea:
         cut = Cut(trees={}, config=config, area=self)
         found_all: list[tuple[str, str, str, torch.Tensor]] = []  # part, file, name, source
         for name, state in states.items():
-            file = MODEL_FILE if name == MODEL_PART else STATE_FILE
+            file = part_file(name)
             found: dict[str, torch.Tensor] = {}
             cut.trees[name] = flatten_part(name, state, found)
             found_all += [(name, file, t, local(source)) for t, source in found.items()]

@@ -56,12 +56,15 @@ FORMAT = "asyncrl-checkpoint"
 """The manifest's `format`; it never changes: a new layout bumps `format_version`."""
 LEGACY_FORMAT = "asyncrl-checkpoint/1"
 """Manifests written before `format_version` existed: read as version 1."""
-FORMAT_VERSION = 2
-"""The version `save` writes for a one-process trainer."""
-SHARDED_FORMAT_VERSION = 3
-"""The version of a sharded trainer's checkpoints (`train.num_processes` > 1): format 2 plus
-every other rank's files (`asyncrl.checkpoint.shards`)."""
-SUPPORTED_FORMAT_VERSIONS = (1, 2, 3)
+FORMAT_VERSION = 4
+"""The version `save` writes for a one-process trainer: format 2 with the rollout parts'
+tensors (ledger and buffer) in a file of their own (`asyncrl.checkpoint.snapshot`)."""
+SHARDED_FORMAT_VERSION = 5
+"""The version of a sharded trainer's checkpoints (`train.num_processes` > 1): format 4 plus
+every other rank's files (`asyncrl.checkpoint.shards`); format 3 is format 2 plus those."""
+ROLLOUT_FILE_VERSIONS = (4, 5)
+"""The versions whose ledger and buffer tensors are in `rollout.safetensors`."""
+SUPPORTED_FORMAT_VERSIONS = (1, 2, 3, 4, 5)
 """The versions this asyncrl reads (`Verified.format_version` says which one a checkpoint is)."""
 _STEP_DIR = re.compile(r"^step_(\d{6,})$")
 T = TypeVar("T")

@@ -169,9 +169,11 @@ def audit_run_dir(run_dir: Path) -> AuditReport:
     kept groups, a step's ordinals) cannot be made, so the audit cannot pass."""
     config = yaml.safe_load((run_dir / "config.yaml").read_text())
     problems: dict[str, list[str]] = {name: [] for name in FILES}
+    metrics, events, timeline = (
+        iter_jsonl(run_dir / f"{name}.jsonl", problems[name]) for name in FILES
+    )
     report = audit_records(
-        *(iter_jsonl(run_dir / f"{name}.jsonl", problems[name]) for name in FILES),
-        int(config["rollout"]["num_prompts_per_step"]),
+        metrics, events, timeline, int(config["rollout"]["num_prompts_per_step"])
     )
     report.violations[:0] = [f"damaged record: {p}" for name in FILES for p in problems[name]]
     return report

@@ -185,8 +185,10 @@ def run_plot_data(run_dir: Path) -> tuple[PlotData, int]:
     config = yaml.safe_load((run_dir / "config.yaml").read_text())
     n = int(config["rollout"]["num_prompts_per_step"])
     age = int(config["rollout"]["max_trajectory_age_steps"])
-    files = (iter_jsonl(run_dir / f"{name}.jsonl") for name in ("metrics", "events", "timeline"))
-    return read_plot_data(*files, n), age
+    metrics, events, timeline = (
+        iter_jsonl(run_dir / f"{name}.jsonl") for name in ("metrics", "events", "timeline")
+    )
+    return read_plot_data(metrics, events, timeline, n), age
 
 
 def write_plots(run_dir: Path, read: tuple[PlotData, int] | None = None) -> list[Path]:

@@ -122,13 +122,13 @@ class ReplayBuffer:
     def state_dict(self) -> dict[str, Any]:
         """The buffered groups, ordered by ordinal: JSON-able metadata plus tensors."""
         with self._cond:
-            return {"groups": [_group_state(self._groups[k]) for k in sorted(self._groups)]}
+            return {"groups": [group_state(self._groups[k]) for k in sorted(self._groups)]}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         with self._cond:
             self._groups = {}
             for item in state["groups"]:
-                group = _group_from_state(item)
+                group = group_from_state(item)
                 self._groups[group.ordinal] = group
             self._cond.notify_all()
 
@@ -141,7 +141,7 @@ def tokens_per_group(state: dict[str, Any]) -> dict[int, int]:
     }
 
 
-def _group_state(group: Group) -> dict[str, Any]:
+def group_state(group: Group) -> dict[str, Any]:
     versions = group.token_versions
     return {
         "ticket": vars(group.ticket).copy(),
@@ -162,7 +162,7 @@ def _group_state(group: Group) -> dict[str, Any]:
     }
 
 
-def _group_from_state(item: dict[str, Any]) -> Group:
+def group_from_state(item: dict[str, Any]) -> Group:
     fields = dict(item)
     fields["ticket"] = PromptTicket(**item["ticket"])
     for key in ("completion_ids", "completion_mask", "behaviour_logprobs", "rewards"):

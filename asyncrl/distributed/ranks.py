@@ -24,6 +24,8 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import FSDPModule, fully_shard
 
+from asyncrl.distributed import wire
+
 TIMEOUT = datetime.timedelta(minutes=30)
 """How long a collective may wait for a slow rank before it fails (a dead rank's closed
 connection fails it at once)."""
@@ -59,9 +61,7 @@ class TorchRanks:
         return [float(v) for v in tensor.cpu()]
 
     def gather(self, value: Any) -> list[Any]:
-        out: list[Any] = [None] * self.world_size
-        dist.all_gather_object(out, value)
-        return out
+        return wire.all_gather(value, self.world_size, self._comm_device)
 
     def assemble(
         self, pieces: list[tuple[slice, torch.Tensor]], num_rows: int, like: torch.Tensor
@@ -89,17 +89,13 @@ class TorchRanks:
         return full
 
     def gather_side(self, value: Any) -> list[Any]:
-        """Every rank's `value` on every rank, over the side group (writer threads)."""
-        out: list[Any] = [None] * self.world_size
-        dist.all_gather_object(out, value, group=self.side)
-        return out
+        """Every rank's `value` on every rank, over the side group (writer threads; gloo)."""
+        return wire.all_gather(value, self.world_size, torch.device("cpu"), group=self.side)
 
     def broadcast(self, value: Any = None) -> Any:
-        """Rank 0's `value` on every rank (a command and its data: small objects and the
-        step's groups)."""
-        box = [value]
-        dist.broadcast_object_list(box, src=0)
-        return box[0]
+        """Rank 0's `value` on every rank (a command and its data: small values and the
+        step's groups as tensors; `asyncrl.distributed.wire`, no pickle)."""
+        return wire.broadcast(value, self.rank, self._comm_device)
 
     @property
     def _comm_device(self) -> torch.device:

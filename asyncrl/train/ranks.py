@@ -45,10 +45,11 @@ import torch
 
 from asyncrl.algos.update import NonFiniteLoss
 from asyncrl.checkpoint.shards import write_rank_files
-from asyncrl.checkpoint.snapshot import Stateful, decode
+from asyncrl.checkpoint.snapshot import MODEL_FILE, STATE_FILE, Stateful, decode
 from asyncrl.checkpoint.staging import Cut, StagingArea
 from asyncrl.checkpoint.store import CheckpointError, Verified
 from asyncrl.config import Config, ConfigError
+from asyncrl.core.buffer import group_from_state
 from asyncrl.distributed.ranks import LOCAL_RENDEZVOUS, TorchRanks, init_ranks
 from asyncrl.faults import fault_facts, fault_point
 from asyncrl.models.device import resolve_device
@@ -268,7 +269,7 @@ def serve(device: torch.device) -> int:
             break
         if kind == "step":
             try:
-                algo.step(command["groups"], command["step"])
+                algo.step([group_from_state(g) for g in command["groups"]], command["step"])
             except NonFiniteLoss:
                 continue  # every rank refused the step (the norm is global): rank 0 stops
             fault_point("rank.step_done", step=command["step"])
@@ -307,7 +308,8 @@ class RankWriter:
         try:
             cut.wait_staged()
             with fault_facts(step=step):
-                answer = write_rank_files(begun, cut.trees, cut.tensors, self.ranks.rank)
+                sharded_files = {f: cut.tensors[f] for f in (MODEL_FILE, STATE_FILE)}
+                answer = write_rank_files(begun, cut.trees, sharded_files, self.ranks.rank)
         except BaseException as err:  # reported to rank 0, whose save then fails
             answer = {"__error__": f"{type(err).__name__}: {err}"}
         finally:
