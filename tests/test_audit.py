@@ -110,3 +110,29 @@ def test_a_log_reopened_after_a_kill_mid_write_drops_the_torn_record(tmp_path):
     # a run dir written before relaunches cut torn records off: one ended by a newline
     path.write_text('{"step":0}\n{"step":1,"lo\n{"step":1}\n')
     assert read_jsonl_checked(path) == ([{"step": 0}, {"step": 1}], [])
+
+
+def test_a_record_with_nan_or_infinity_is_read_not_called_damaged(tmp_path):
+    """`json.dumps` writes NaN and Infinity (a metric can overflow: `offpolicy_kl`); the fast
+    reader (orjson) rejects them, so the line is read again with `json` instead of being
+    reported as damaged (and the step as never trained)."""
+    from asyncrl.train.records import iter_jsonl
+
+    path = tmp_path / "metrics.jsonl"
+    path.write_text('{"step": 0, "offpolicy_kl": Infinity, "loss": NaN}\n{"step": 1}\n')
+    problems: list[str] = []
+    records = list(iter_jsonl(path, problems))
+    assert problems == [] and [r["step"] for r in records] == [0, 1]
+    assert records[0]["offpolicy_kl"] == float("inf")
+
+
+def test_two_resumes_of_one_attempt_are_both_checked():
+    """A kill between a resume's event and the launch count's update makes the next launch
+    reuse the attempt: both resumes' checks apply to that attempt's spans."""
+    metrics = [step(0, [0, 1]), step(1, [2, 3], attempt=1), step(2, [4, 5], attempt=1)]
+    first = {**resume_event(kept=[2, 3], reissued=[4, 5]), "cursor": 6}
+    second = {**resume_event(kept=[4], reissued=[5]), "cursor": 6}
+    report = audit_records(metrics, [first, second], [gen([4, 5], attempt=1)], N)
+    assert report.violations == [
+        "I3: attempt 1 generated kept buffered groups from step 1's checkpoint again: 4"
+    ]

@@ -513,3 +513,39 @@ def test_the_timeline_has_one_row_per_run_of_chunks_and_each_token_once(policy):
     for group in groups:
         assert generated[group.ordinal] == group.completion_mask.sum(dim=1).tolist()
     assert sorted(k for r in rows for k in r.landed) == sorted(g.ordinal for g in groups)
+
+
+def test_timeline_rows_merge_only_consecutive_passes_and_stay_in_order(policy):
+    """Passes over other tickets or weights in between end a row (with pinned versions a
+    batch's tickets can alternate X, Y, X: three rows, not X's passes merged across Y's), and
+    a long run of passes is written every `MAX_MERGED` of them."""
+    from asyncrl.core.types import PromptTicket
+    from asyncrl.rollout.collector import MAX_MERGED, MAX_MERGED_S, Chunk
+
+    collector = collector_for(
+        policy, engine_for(policy), Ledger(PromptStream(10, 2, 0)), ReplayBuffer(2, 4), 4
+    )
+    rows: list = []
+    collector.on_batch = rows.append
+    tickets = {k: PromptTicket(k, 0, 0, k, k) for k in (0, 1)}
+
+    def chunk(k, version, start, seconds=0.01):
+        return Chunk(start, seconds, version, [tickets[k]], [[start] * 2], [[1, 1]])
+
+    with collector.cut():  # the collector's lock, as `_generate` holds it
+        for i, (k, v) in enumerate([(0, 0), (1, 1), (0, 0), (0, 0)]):
+            collector._add_span(chunk(k, v, start=i))
+        collector._record_spans()
+    assert [(r.ordinals, r.start, r.chunks) for r in rows] == [
+        ((0,), 0, 1), ((1,), 1, 1), ((0,), 2, 2)
+    ]  # fmt: skip
+    rows.clear()
+    with collector.cut():
+        for i in range(MAX_MERGED + 1):
+            collector._add_span(chunk(0, 0, start=i))
+        collector._record_spans()
+        assert [r.chunks for r in rows] == [MAX_MERGED, 1]
+        rows.clear()
+        for i in range(3):  # or every `MAX_MERGED_S` seconds
+            collector._add_span(chunk(0, 0, start=i, seconds=MAX_MERGED_S / 2))
+    assert [r.chunks for r in rows] == [2]

@@ -143,3 +143,33 @@ def test_the_ledger_shows_the_skipped_ordinals_of_the_lossy_resume(resumed_run):
     assert len(axis.collections) == 4  # trained, buffered, in flight, pending
     assert [ln.get_label() for ln in axis.lines] == ["skipped (never trained)"]
     assert read_records(resumed_run / "metrics.jsonl")[-1]["attempt"] == 1
+
+
+def test_plot_data_of_a_killed_run_covers_every_span_and_keeps_spans_out_of_order():
+    """The ledger's grid starts from the last event's time and grows to cover spans after it
+    (a run SIGKILLed long after its last event); whole-run bars given out of start order are
+    not merged into each other; a step retrained without evaluation loses its eval point."""
+    from asyncrl.cli.plot_data import Coalesced
+
+    n = 2
+    metrics = [{"step": t, "generation_version_min": t, "wall_s": t + 1.0, "reward_mean": 0.5,
+                "loss": 0.1, "eval/reward_mean": 0.2} for t in range(40)]  # fmt: skip
+    metrics.append({**metrics[3], "eval/reward_mean": None} | {"attempt": 1})
+    del metrics[-1]["eval/reward_mean"]
+    events = [{"event": "start", "time": 0.0, "attempt": 0, "from_step": 0},
+              {"event": "checkpoint", "time": 10.0, "step": 10}]  # fmt: skip
+    timeline = []
+    for t in range(40):  # spans until t=40, the last event at t=10
+        timeline.append({"kind": "generate", "start": t + 0.0, "seconds": 0.5, "attempt": 0,
+                         "ordinals": [t * n, t * n + 1], "landed": [t * n, t * n + 1]})  # fmt: skip
+        timeline.append({"kind": "train", "start": t + 0.5, "seconds": 0.5, "attempt": 0,
+                         "step": t})  # fmt: skip
+    data = read_plot_data(metrics, events, timeline, n)
+    assert data.ledger["time"][-1] >= 40.0 - 1e-6
+    assert data.ledger["trained"][-1] == 40 * n and max(data.ledger["trained"]) == 40 * n
+    assert min(data.ledger["time"]) >= 0
+    assert 3 not in data.evals.rows and 4 in data.evals.rows
+    bars = Coalesced(gap=1.0)
+    bars.add(10.0, 5.0)
+    bars.add(8.0, 1.0)  # written later, started earlier (a row flushed at a landing)
+    assert bars.spans == [(10.0, 5.0), (8.0, 1.0)]

@@ -94,3 +94,23 @@ def test_rloos_entropy_bonus_is_scaled_by_the_std_of_the_steps_advantages(monkey
     assert got[("rloo", "none")][0] == {0.1} and got[("grpo", None)][0] == {0.1}
     with pytest.raises(ConfigError, match=r"algo\.entropy_scale"):
         small_config("algo.name=rloo", "algo.entropy_scale=sometimes")
+
+
+def test_an_rloo_run_from_before_entropy_scale_resumes_only_with_the_bonus_it_had():
+    """A checkpoint's config that predates `algo.entropy_scale` trained with the coefficient
+    as given (`none`): with a bonus, the new default would change the run, so it differs (a
+    resume is refused unless `algo.entropy_scale=none`); without one the two are the same."""
+    from asyncrl.config.keys import semantic_differences
+
+    for coef, expected in (
+        (0.1, ["algo.entropy_scale: checkpoint='none', now='advantage_std'"]),
+        (0.0, []),
+    ):
+        now = build_config({}, ["algo.name=rloo", f"algo.entropy_coef={coef}"])
+        saved = now.to_dict()
+        del saved["algo"]["entropy_scale"]  # written before the key existed
+        assert semantic_differences(saved, now) == expected
+    same = build_config({}, ["algo.name=rloo", "algo.entropy_coef=0.1", "algo.entropy_scale=none"])
+    saved = same.to_dict()
+    del saved["algo"]["entropy_scale"]
+    assert semantic_differences(saved, same) == []

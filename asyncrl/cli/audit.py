@@ -78,7 +78,7 @@ def audit_records(
             trained_by.setdefault(k, []).append(t)
     for k, steps in trained_by.items():  # the step whose schedule holds k trained it too
         owner = k // n
-        if owner < len(status) and status[owner] == ON_SCHEDULE:
+        if 0 <= owner < len(status) and status[owner] == ON_SCHEDULE:
             steps.append(owner)
             steps.sort()
     skipped = sorted(
@@ -113,17 +113,19 @@ def _resume_violations(
     """In the attempt a resume started, an ordinal below the checkpoint's cursor may only be
     generated if the resume re-dispatched it (it was in flight at the checkpoint), and then
     no token of it that a continued partial sample already had. One pass over the timeline."""
-    by_attempt = {e["attempt"]: i for i, e in enumerate(resumes)}
+    by_attempt: dict[int, list[int]] = {}  # two resumes may share an attempt (a kill between)
+    for i, e in enumerate(resumes):
+        by_attempt.setdefault(e["attempt"], []).append(i)
+    allowed = [set(e["reissued_ordinals"]) for e in resumes]
     again: list[set[int]] = [set() for _ in resumes]
     partials: list[list[str]] = [[] for _ in resumes]
     for span in timeline:
-        i = by_attempt.get(span.get("attempt", -1))
-        if span.get("kind") != "generate" or i is None:
+        if span.get("kind") != "generate":
             continue
-        resume = resumes[i]
-        allowed, cursor = set(resume["reissued_ordinals"]), resume["cursor"]
-        again[i].update(k for k in span["ordinals"] if k < cursor and k not in allowed)
-        partials[i].extend(_partials_regenerated(resume, span))
+        for i in by_attempt.get(span.get("attempt", -1), ()):
+            cursor = resumes[i]["cursor"]
+            again[i].update(k for k in span["ordinals"] if k < cursor and k not in allowed[i])
+            partials[i].extend(_partials_regenerated(resumes[i], span))
     found = []
     for resume, ordinals, regenerated in zip(resumes, again, partials, strict=True):
         if ordinals:

@@ -57,7 +57,7 @@ class Coalesced:
     def add(self, start: float, seconds: float) -> None:
         if self.spans:
             last_start, last_seconds = self.spans[-1]
-            if start - (last_start + last_seconds) < self.gap:
+            if last_start <= start and start - (last_start + last_seconds) < self.gap:
                 end = max(last_start + last_seconds, start + seconds)
                 self.spans[-1] = (last_start, end - last_start)
                 return
@@ -123,6 +123,8 @@ def read_plot_data(
         data.steps.add(t, tuple(r.get(k) for k in STEP_FIELDS))
         if "eval/reward_mean" in r:
             data.evals.add(t, {k: v for k, v in r.items() if k.startswith("eval/")})
+        else:  # a step retrained without evaluation: its last record counts
+            data.evals.rows.pop(t, None)
         if t >= len(data.oldest_age):
             data.oldest_age.extend(bytes(t + 1 - len(data.oldest_age)))
         data.oldest_age[t] = min(255, 1 + t - int(r["generation_version_min"]))
@@ -147,19 +149,38 @@ def read_plot_data(
     return data
 
 
+class Grid:
+    """Counts of events at `GRID` times from the first span on, `dt` apart: `at[a][i]` holds
+    what attempt index `a` did in ((i-1)·dt, i·dt] (and `i = 0` what came before). When a span
+    ends past the last time, `dt` doubles and the bins merge in pairs, which gives exactly the
+    counts of the coarser grid: the grid always covers every span."""
+
+    def __init__(self, lo: float, hi: float, num_attempts: int) -> None:
+        self.lo, self.dt = lo, max(hi - lo, 1e-3) / (GRID - 1)
+        self.series = {name: [[0] * (GRID + 1) for _ in range(num_attempts)] for name in
+                       ("trained", "landed", "flying")}  # fmt: skip
+
+    def index(self, t: float) -> int:
+        """The first grid time at or after `t` (0 for a time before the first span)."""
+        i = max(0, math.ceil((t - self.lo) / self.dt - 1e-9))
+        while i > GRID - 1:
+            self._coarsen()
+            i = max(0, math.ceil((t - self.lo) / self.dt - 1e-9))
+        return i
+
+    def _coarsen(self) -> None:
+        self.dt *= 2
+        for rows in self.series.values():
+            for row in rows:
+                merged = [row[0]] + [row[2 * j - 1] + row[2 * j] for j in range(1, GRID // 2 + 1)]
+                row[:] = merged + [0] * (GRID + 1 - len(merged))
+
+
 def _read_timeline(data: PlotData, timeline: Iterable[dict[str, Any]], last_time: float) -> None:
     """The whole-run rows, the close-up and the ledger grid, in one pass over the spans."""
     starts = sorted(data.starts, key=lambda e: e["time"])
-    lo = starts[0]["time"] if starts else 0.0
-    hi = max(last_time, lo + 1e-6)
-    dt = (hi - lo) / (GRID - 1)
     attempts = {e["attempt"]: i for i, e in enumerate(starts)}
-    zeros = [[0] * (GRID + 1) for _ in starts]
-    trained_at, landed_at, flying = (zeros, [list(z) for z in zeros], [list(z) for z in zeros])
-
-    def index(t: float) -> int:  # the first grid time at or after t (clamped)
-        return min(GRID - 1, max(0, math.ceil((t - lo) / dt - 1e-9)))
-
+    grid: Grid | None = None
     middle_step = data.last_step // 4
     recent: deque[dict[str, Any]] = deque(maxlen=64)
     first_train_s: list[float] = []
@@ -168,18 +189,21 @@ def _read_timeline(data: PlotData, timeline: Iterable[dict[str, Any]], last_time
         if kind not in ("generate", "train"):
             continue
         data.t0 = min(data.t0, start)
+        if grid is None:  # from the first span to the last event, to begin with
+            grid = Grid(start, last_time, len(starts))
         (data.gen if kind == "generate" else data.train).add(start, seconds)
         a = attempts.get(span.get("attempt", -1))
         if a is not None:
-            end = index(start + seconds)
+            end = grid.index(start + seconds)
             if kind == "train":
-                trained_at[a][end] += 1
+                grid.series["trained"][a][end] += 1
             else:
-                landed_at[a][end] += len(span["landed"] if "landed" in span else span["ordinals"])
-                begin = index(start)
+                landed = span["landed"] if "landed" in span else span["ordinals"]
+                grid.series["landed"][a][end] += len(landed)
+                begin = grid.index(start)
                 if begin < end:  # in flight at the grid times in [start, end)
-                    flying[a][begin] += len(span["ordinals"])
-                    flying[a][end] -= len(span["ordinals"])
+                    grid.series["flying"][a][begin] += len(span["ordinals"])
+                    grid.series["flying"][a][end] -= len(span["ordinals"])
         _close_up(data, span, middle_step, recent, first_train_s)
     if data.close_up_window is None and recent:  # the first launch never got that far
         data.close_up = list(recent)
@@ -187,7 +211,8 @@ def _read_timeline(data: PlotData, timeline: Iterable[dict[str, Any]], last_time
             min(s["start"] for s in recent),
             max(s["start"] + s["seconds"] for s in recent),
         )
-    data.ledger = _ledger_series(data, starts, lo, dt, trained_at, landed_at, flying)
+    if grid is not None:
+        data.ledger = _ledger_series(data, starts, grid)
 
 
 def _close_up(
@@ -221,29 +246,25 @@ def _close_up(
 
 
 def _ledger_series(
-    data: PlotData,
-    starts: list[dict[str, Any]],
-    lo: float,
-    dt: float,
-    trained_at: list[list[int]],
-    landed_at: list[list[int]],
-    flying: list[list[int]],
+    data: PlotData, starts: list[dict[str, Any]], grid: Grid
 ) -> dict[str, list[float]]:
     """Ordinal counts at the grid times: trained (steps of the current launch's lineage, so
     a resume from an older checkpoint drops back), buffered, in flight (generation batches
     running), pending (the rest of the run's final schedule) and skipped (cumulative, from
-    lossy resumes)."""
+    lossy resumes). The launch at a grid time is the last one started by then (the first
+    before any)."""
     keys = ("time", "trained", "buffered", "in_flight", "pending", "skipped")
     out: dict[str, list[float]] = {k: [] for k in keys}
-    if not starts or math.isinf(data.t0):
+    if not starts:
         return out
     n = data.n
     resumes = {e["attempt"]: e for e in data.resumes}
     frontier = (data.last_step + 1) * n
     sums = [[0, 0, 0] for _ in starts]  # running trained spans, landed groups, in flight
+    trained_at, landed_at, flying = (grid.series[k] for k in ("trained", "landed", "flying"))
     launch = 0
     for g in range(GRID):
-        now = lo + g * dt
+        now = grid.lo + g * grid.dt
         while launch + 1 < len(starts) and starts[launch + 1]["time"] <= now:
             launch += 1
         for a in range(len(starts)):

@@ -26,8 +26,8 @@ class Summary:
     reward: array = field(default_factory=lambda: array("f"))
     stale: array = field(default_factory=lambda: array("f"))
     seconds: dict[str, array] = field(default_factory=lambda: {k: array("f") for k in SUMMED})
-    first_eval: dict[str, Any] | None = None
-    last_eval: dict[str, Any] | None = None
+    evals: dict[int, dict[str, Any]] = field(default_factory=dict)
+    """Evaluated step -> its `eval/...` fields (the last record of a step counts)."""
     wall_s: float = 0.0
 
     def add(self, r: dict[str, Any]) -> None:
@@ -41,10 +41,9 @@ class Summary:
         for key, column in self.seconds.items():
             column[t] = r[key]
         if "eval/reward_mean" in r:
-            if self.first_eval is None or t <= self.first_eval["step"]:
-                self.first_eval = _eval_fields(r)
-            if self.last_eval is None or t >= self.last_eval["step"]:
-                self.last_eval = _eval_fields(r)
+            self.evals[t] = _eval_fields(r)
+        else:
+            self.evals.pop(t, None)
         if t == len(self.reward) - 1:
             self.wall_s = float(r["wall_s"])
 
@@ -86,7 +85,10 @@ def summarize(summary: Summary, run_dir: Path) -> str:
         f"{int((stale > 0).sum())}/{n} steps trained on older weights",
         f"  time          generation {total['generation_s']:.1f} s, training "
         f"{total['train_s']:.1f} s, trainer waited {total['wait_s']:.1f} s for rollouts",
-        *_eval_lines(summary.first_eval, summary.last_eval),
+        *_eval_lines(
+            summary.evals[min(summary.evals)] if summary.evals else None,
+            summary.evals[max(summary.evals)] if summary.evals else None,
+        ),
         "  files         config.yaml metrics.jsonl events.jsonl timeline.jsonl "
         "reward_curve.png final_model/ checkpoints/"
         + "".join(f" {d}/" for d in OPTIONAL_DIRS if (run_dir / d).exists()),

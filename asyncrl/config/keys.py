@@ -17,7 +17,7 @@ import inspect
 import itertools
 import json
 import typing
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, Literal
 
@@ -116,15 +116,32 @@ def flatten(config: Config | dict[str, Any], prefix: str = "") -> dict[str, Any]
     return out
 
 
+PREDATED: dict[str, Callable[[dict[str, Any]], Any]] = {
+    # RLOO's entropy bonus was `algo.entropy_coef` as given until the key came; with no
+    # bonus at all the two are the same, so only a run with one predates it as `none`
+    "algo.entropy_scale": lambda before: (
+        "none" if before.get("algo.entropy_coef") else _default("algo.entropy_scale")
+    ),
+}
+"""Keys whose behaviour before they existed is not their default: what a checkpoint's
+config that predates the key counts as (a function of that config's other keys)."""
+
+
+def _saved_value(before: dict[str, Any], key: str) -> Any:
+    if key in before:
+        return before[key]
+    return PREDATED[key](before) if key in PREDATED else _default(key)
+
+
 def semantic_differences(saved: dict[str, dict[str, Any]], now: Config) -> list[str]:
     """`key: checkpoint=X, now=Y` for every semantics-bearing key that differs. A key the
-    checkpoint's config predates counts as its default there."""
+    checkpoint's config predates counts as its default there (or as `PREDATED` says)."""
     before, after = flatten(saved), flatten(now)
     benign = _benign_keys(bool(before.get("run.deterministic")))
     return [
-        f"{key}: checkpoint={before.get(key, _default(key))!r}, now={after[key]!r}"
+        f"{key}: checkpoint={_saved_value(before, key)!r}, now={after[key]!r}"
         for key in after
-        if key not in benign and before.get(key, _default(key)) != after[key]
+        if key not in benign and _saved_value(before, key) != after[key]
     ]
 
 

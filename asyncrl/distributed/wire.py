@@ -61,7 +61,8 @@ def unpack(header: bytes, tensors: list[torch.Tensor]) -> Any:
 
 def broadcast(value: Any, rank: int, device: torch.device, group: Any = None) -> Any:
     """Rank 0's `value` on every rank of `group` (`value` is ignored elsewhere). `device` is
-    where the collectives' tensors live (the CPU for gloo, the rank's GPU for NCCL)."""
+    where the collectives' tensors live (the CPU for gloo, the rank's GPU for NCCL). Three
+    collectives and one more per dtype: the tensors of a dtype go as one flat buffer."""
     if rank == 0:
         header, tensors = pack(value)
         size = torch.tensor([len(header)], dtype=torch.int64, device=device)
@@ -76,13 +77,23 @@ def broadcast(value: Any, rank: int, device: torch.device, group: Any = None) ->
     dist.broadcast(raw, src=0, group=group)
     if rank != 0:
         header = raw.cpu().numpy().tobytes()
-        tensors = buffers(header, device)
-    moved = [t.to(device) for t in tensors]
-    for t in moved:
-        dist.broadcast(t, src=0, group=group)
-    if rank != 0:
-        return unpack(header, [t.cpu() if device.type != "cpu" else t for t in moved])
-    return value
+        tensors = buffers(header, torch.device("cpu"))
+    by_dtype: dict[torch.dtype, list[int]] = {}
+    for i, t in enumerate(tensors):
+        by_dtype.setdefault(t.dtype, []).append(i)
+    received = list(tensors)
+    for dtype, indices in by_dtype.items():
+        if rank == 0:
+            flat = torch.cat([tensors[i].reshape(-1).to(device) for i in indices])
+        else:
+            total = sum(tensors[i].numel() for i in indices)
+            flat = torch.empty(total, dtype=dtype, device=device)
+        dist.broadcast(flat, src=0, group=group)
+        if rank != 0:
+            pieces = flat.cpu().split([tensors[i].numel() for i in indices])
+            for i, piece in zip(indices, pieces, strict=True):
+                received[i] = piece.view(tensors[i].shape)
+    return unpack(header, received) if rank != 0 else value
 
 
 def all_gather(value: Any, world_size: int, device: torch.device, group: Any = None) -> list[Any]:

@@ -109,6 +109,11 @@ class Chunk:
         return tuple(t.ordinal for t in self.tickets)
 
 
+MAX_MERGED = 32
+MAX_MERGED_S = 10.0
+"""A timeline row covers at most this many engine passes, or about this many seconds."""
+
+
 class Collector:
     """Runs generation on a background thread until `stop()`.
 
@@ -164,8 +169,9 @@ class Collector:
         self._error: BaseException | None = None
         self._died: BaseException | None = None  # what ended the generation thread last
         self._spans: dict[tuple[int, tuple[int, ...]], Chunk] = {}
-        """Engine passes not yet recorded (`on_batch`), by version and tickets; guarded by
-        `_cond`. A row is written when groups land, at a cut, and when the batch ends."""
+        """The engine passes not yet recorded (`on_batch`): at most one row, by its version
+        and tickets; guarded by `_cond`. Written when groups land, at a cut, when another
+        run of passes starts, when the batch ends and past `MAX_MERGED`."""
         self._thread = threading.Thread(target=self._run, name="asyncrl-collector", daemon=True)
 
     def start(self) -> None:
@@ -222,27 +228,27 @@ class Collector:
             self._record_spans()  # the cut's partials: their tokens are on the record first
             yield
 
-    def _record_spans(self, ordinals: set[int] | None = None) -> None:
-        """Writes the pending timeline rows (those holding any of `ordinals`; None: all).
-        Called under `_cond`."""
-        for key in [k for k in self._spans if ordinals is None or ordinals & set(k[1])]:
-            chunk = self._spans.pop(key)
+    def _record_spans(self) -> None:
+        """Writes the pending timeline row, if any. Called under `_cond`."""
+        for chunk in self._spans.values():
             if self.on_batch is not None:
                 self.on_batch(chunk)
+        self._spans = {}
 
     def _add_span(self, chunk: Chunk) -> None:
-        """Adds an engine pass to the pending rows (called under `_cond`): merged with the
-        previous pass over the same tickets and version, else after writing any pending row
-        of its tickets (so each ordinal's rows stay in the order they were generated); written
-        at once if groups landed with it (before they can be checkpointed)."""
+        """Adds an engine pass to the pending row (called under `_cond`): merged with it if
+        that row is of the same tickets and version (the pass right before), else after
+        writing it, so rows stay in the order their passes ran; written at once if groups
+        landed with it (before they can be checkpointed), or once it covers `MAX_MERGED`
+        passes or `MAX_MERGED_S` seconds (what a SIGKILL can take off the record)."""
         key = (chunk.version, chunk.ordinals)
         if key in self._spans:
             chunk = self._spans[key].merged(chunk)
         else:
-            self._record_spans(set(chunk.ordinals))
-        self._spans[key] = chunk
-        if chunk.landed:
-            self._record_spans(set(chunk.ordinals))
+            self._record_spans()
+        self._spans = {key: chunk}
+        if chunk.landed or chunk.chunks >= MAX_MERGED or chunk.seconds >= MAX_MERGED_S:
+            self._record_spans()
 
     def _admit(self) -> list[PromptTicket]:
         with self._cond:

@@ -143,15 +143,25 @@ def iter_jsonl(path: Path, problems: list[str] | None = None) -> Iterator[dict[s
                 continue
             try:
                 record = orjson.loads(raw)  # ~5x the standard library's json (a pass is O(run))
-            except orjson.JSONDecodeError as err:  # a subclass of json's, bad UTF-8 included
-                last_and_torn = not raw.endswith(b"\n")  # only the last line can lack one
-                if problems is not None and not last_and_torn and not _torn(raw.rstrip(b"\n")):
-                    problems.append(f"{path.name}:{number}: not a JSON record ({err})")
-                continue
+            except orjson.JSONDecodeError:  # also NaN and Infinity, which `json.dumps` writes
+                try:
+                    record = json.loads(raw)
+                except (json.JSONDecodeError, UnicodeDecodeError) as err:
+                    _problem(path, number, raw, err, problems)
+                    continue
             if isinstance(record, dict):
                 yield record
             elif problems is not None:
                 problems.append(f"{path.name}:{number}: not a JSON object")
+
+
+def _problem(
+    path: Path, number: int, raw: bytes, err: Exception, problems: list[str] | None
+) -> None:
+    """Notes an undecodable line, unless it is torn (see `iter_jsonl`)."""
+    last_and_torn = not raw.endswith(b"\n")  # only the last line can lack one
+    if problems is not None and not last_and_torn and not _torn(raw.rstrip(b"\n")):
+        problems.append(f"{path.name}:{number}: not a JSON record ({err})")
 
 
 def latest_records(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
