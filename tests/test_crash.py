@@ -198,9 +198,11 @@ def test_inspect_predicts_what_each_resume_policy_then_does(tmp_path, repo_root)
     import shutil
 
     base = tmp_path / "base"
-    # killed right after the first checkpoint with prompts both in flight and buffered became
-    # durable: every policy then has something to keep, skip or discard
-    state = "checkpoint.parent_fsynced[in_flight,buffered]"
+    # killed once the first checkpoint with prompts both in flight and buffered is durable
+    # (every policy then has something to keep, skip or discard) and the trainer has gone on to
+    # train past it (the checkpoint is written in the background): the resumed runs must not
+    # count the killed attempt's rows past the checkpoint as trained
+    state = "checkpoint.parent_fsynced[in_flight,buffered]>train.optimizer_step:2"
     proc = launch(base, repo_root, "rollout.groups_per_batch=1", fault=state)
     out, _ = proc.communicate(timeout=480)
     assert proc.returncode == -signal.SIGKILL, f"no checkpoint was in {state}: {out}"
@@ -208,6 +210,7 @@ def test_inspect_predicts_what_each_resume_policy_then_does(tmp_path, repo_root)
     step = info["step"]
     assert info["checkpoint"].endswith(f"step_{step:06d}") and info["ledger"]["in_flight"] > 0
     assert info["ledger"]["trained"] == step * N
+    assert max(r["step"] for r in read_records(base / "metrics.jsonl")) >= step, "none past it"
     table = subprocess.run(
         [sys.executable, "-m", "asyncrl.cli", "inspect", str(base)], capture_output=True, text=True
     )
@@ -220,8 +223,12 @@ def test_inspect_predicts_what_each_resume_policy_then_does(tmp_path, repo_root)
         shutil.copytree(base, run)
         policy_key = f"checkpoint.resume_policy={policy}"
         out = finish(run, repo_root, policy_key, f"run.max_num_steps={step + 6}")
-        # measured from what the resumed run did, not from its own account of it
-        trained = {k for r in read_records(run / "metrics.jsonl") for k in r["prompt_ordinals"]}
+        # measured from what the resumed run did, not from its own account of it. The
+        # checkpoint is written in the background, so the killed attempt may have trained
+        # steps past it: those rows are superseded, and only steps below it count as trained
+        trained = {k for r in read_records(run / "metrics.jsonl")
+                   if r["attempt"] > 0 or r["step"] < step
+                   for k in r["prompt_ordinals"]}  # fmt: skip
         skipped = [k for k in info["in_flight_ordinals"] if k not in trained]
         discarded = [k for k in info["buffered_ordinals"] if k not in trained]
         generated = sum(
