@@ -39,7 +39,7 @@ FROZEN_CONFIG_KEYS = [
     "rollout.vllm.max_model_len", "rollout.vllm.max_num_seqs", "rollout.vllm.enforce_eager",
     "rollout.vllm.enable_prefix_caching", "rollout.vllm.multiprocessing",
     "train.device", "train.dtype", "train.micro_batch_size", "train.shared_prompts",
-    "train.num_processes",
+    "train.num_processes", "train.rank_timeout_s",
     "algo.name", "algo.lr", "algo.lr_schedule", "algo.warmup_steps", "algo.weight_decay",
     "algo.adam_beta1", "algo.adam_beta2",
     "algo.adam_epsilon", "algo.loss_aggregation", "algo.max_grad_norm", "algo.clip_eps",

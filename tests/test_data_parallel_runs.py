@@ -117,6 +117,35 @@ def test_two_ranks_killed_anywhere_resume_without_losing_or_redoing_anything(tmp
     assert done.returncode == 0 and "45 steps" in done.stdout, done.stdout
 
 
+def test_a_stopped_rank_stops_the_run_in_seconds_and_a_rerun_resumes(tmp_path, repo_root):
+    """A stopped rank (SIGSTOP: alive, its sockets open, so no collective fails; a hung rank or
+    a machine off the network looks the same) held rank 0 in a collective for 30 minutes; its
+    silent heartbeat now stops the run with RankFailed after train.rank_timeout_s."""
+    run = tmp_path / "run"
+    proc = crash_launch(run, repo_root, TWO, "train.rank_timeout_s=3")
+    while len(read_complete_records(run / "metrics.jsonl")) < 4:
+        assert proc.poll() is None
+        time.sleep(0.01)
+    (rank,) = rank_processes(proc.pid)
+    os.kill(rank, signal.SIGSTOP)
+    stopped = time.monotonic()
+    try:
+        out, _ = proc.communicate(timeout=120)
+    finally:
+        proc.kill()
+        if rank in rank_processes(proc.pid):
+            os.kill(rank, signal.SIGKILL)
+    assert proc.returncode == 1, out
+    assert "trainer rank 1 sent no heartbeat for" in out, out
+    assert time.monotonic() - stopped < 60
+    wait_for_no_rank_processes(proc.pid)
+    proc = crash_launch(run, repo_root, TWO)
+    out, _ = proc.communicate(timeout=600)
+    assert proc.returncode == 0, out
+    done = audit(run)
+    assert done.returncode == 0 and "45 steps" in done.stdout, done.stdout
+
+
 def short_run(run: Path, repo_root: Path, steps: int, *extra: str, skip: str = "") -> str:
     proc = det_launch(run, repo_root, skip=skip, extra=(f"run.max_num_steps={steps}", *extra))
     out, _ = proc.communicate(timeout=600)

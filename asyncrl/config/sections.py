@@ -267,10 +267,16 @@ class TrainConfig:
     """Trainer ranks: data parallel with FSDP2 on `torch.distributed` (gloo on CPU, nccl on
     `cuda:LOCAL_RANK`), weights, gradients and AdamW moments 1/P per rank (docs/distributed.md).
     `asyncrl train` starts them, or joins torchrun's. Another value on resume reshards."""
+    rank_timeout_s: float = field(default=30.0, metadata=MAY_CHANGE)
+    """With `train.num_processes` > 1: seconds a trainer rank may send no heartbeat before
+    the run stops with `RankFailed` (exit 1; a rerun resumes from the newest verified
+    checkpoint). It catches a rank that hangs, is stopped, or whose machine drops off the
+    network; a rank that exits is caught at once (its connections close)."""
 
     def validate(self) -> None:
         _check_device("train.device", self.device)
         _require(self.num_processes >= 1, "train.num_processes", self.num_processes, ">= 1")
+        _require(self.rank_timeout_s > 0, "train.rank_timeout_s", self.rank_timeout_s, "> 0")
         _require(
             self.micro_batch_size >= 0, "train.micro_batch_size", self.micro_batch_size, ">= 0"
         )

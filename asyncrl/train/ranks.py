@@ -19,7 +19,12 @@ stays in one process exactly as with one rank. Ranks 1..P-1 ignore SIGTERM and S
 takes the emergency checkpoint, and needs them for it) and exit when rank 0's process goes
 away. A rank that dies makes rank 0's next collective, or its wait for a step's groups, fail:
 `RankFailed`, exit 1, and no checkpoint newer than the last verified one (a manifest is
-written only once every rank's files are in).
+written only once every rank's files are in). A rank that hangs, is stopped, or whose machine
+drops off the network closes no connection, so no collective fails: the ranks' heartbeat
+(`asyncrl.distributed.heartbeat`) catches it after `train.rank_timeout_s`. Rank 0 then fails
+the same way; if a collective holds its main thread, it stops the process itself
+(`ABANDON_GRACE_S` later: the newest verified checkpoint is intact, as after a SIGKILL). A
+rank > 0 whose rank 0 falls silent exits.
 
 Launch: `asyncrl train` starts ranks 1..P-1 itself as child processes on this machine (they
 meet through a file, so no rendezvous server listens anywhere; `gloo` runs over `lo`). Under
@@ -50,6 +55,7 @@ from asyncrl.checkpoint.staging import Cut, StagingArea
 from asyncrl.checkpoint.store import CheckpointError, Verified
 from asyncrl.config import Config, ConfigError
 from asyncrl.core.buffer import group_from_state
+from asyncrl.distributed.heartbeat import Heartbeat, describe, group_store
 from asyncrl.distributed.ranks import LOCAL_RENDEZVOUS, TorchRanks, init_ranks
 from asyncrl.faults import fault_facts, fault_point
 from asyncrl.models.device import resolve_device
@@ -57,6 +63,10 @@ from asyncrl.models.device import resolve_device
 COLLECTIVE_DEATH_WAIT_S = 5.0
 """After a failed collective, how long rank 0 waits for a rank it started to be seen dead (so
 the error names the rank, not the broken connection)."""
+ABANDON_GRACE_S = 5.0
+"""After a rank fell silent, how long rank 0 gives its main thread to fail the run in order
+before it stops the process itself (the thread is held by a collective that never ends)."""
+EXIT_FAILED = 1
 
 
 class RankFailed(RuntimeError):
@@ -81,12 +91,43 @@ class RankGroup:
         ranks: TorchRanks,
         children: list[subprocess.Popen[bytes]],
         rendezvous_dir: Path | None = None,
+        timeout_s: float = 0.0,
     ) -> None:
         self.ranks = ranks
         self.children = children
         self.rendezvous_dir = rendezvous_dir
         self.world_size = ranks.world_size
         self._broken = False
+        self._silent = ""
+        self._abandon: threading.Timer | None = None
+        self.heartbeat = (
+            Heartbeat(
+                group_store(), 0, tuple(range(1, self.world_size)), timeout_s, self._on_silent
+            )
+            if timeout_s > 0
+            else None
+        )
+
+    def _on_silent(self, silent: list[tuple[int, float]]) -> None:
+        """(The heartbeat's watch thread.) Fails the run at the main thread's next check, and
+        stops the process if that thread does not get there (a collective holds it)."""
+        self._silent = describe(silent) + " (hung, stopped, or its machine unreachable)"
+        self._broken = True
+        self._abandon = threading.Timer(ABANDON_GRACE_S, self._stop_process)
+        self._abandon.daemon = True
+        self._abandon.start()
+
+    def _stop_process(self) -> None:
+        print(
+            f"asyncrl: error: {self.failure(None)}; a collective waits on it, so this process "
+            "stops now. The newest verified checkpoint is intact; rerun the same command to "
+            "resume",
+            file=sys.stderr,
+            flush=True,
+        )
+        for child in self.children:
+            child.kill()
+        os._exit(EXIT_FAILED)
 
     def command(self, kind: str, **fields: Any) -> None:
         """Tells every other rank to do `kind` (they are waiting for it)."""
@@ -144,7 +185,7 @@ class RankGroup:
 
     def check_alive(self) -> None:
         dead = self.dead()
-        if dead:
+        if dead or self._silent:
             self._broken = True
             raise self.failure(None)
 
@@ -152,7 +193,8 @@ class RankGroup:
         """The run's failure, naming the ranks that died; `err` is the collective's error, the
         symptom (reported only when no rank of ours died)."""
         dead = self.dead(wait_s=COLLECTIVE_DEATH_WAIT_S if err is not None else 0.0)
-        what = "; ".join(dead) if dead else f"a collective failed: {err}"
+        what = "; ".join(dead or [self._silent] * bool(self._silent))
+        what = what or f"a collective failed: {err}"
         return RankFailed(
             f"trainer {what}; the run stops with no checkpoint newer than the last verified one"
         )
@@ -162,6 +204,8 @@ class RankGroup:
         waiting for a command) by telling them to stop, else (a failure left them anywhere,
         perhaps inside a collective rank 0 will never join) by killing the ones this process
         started; then leaves the process group."""
+        if self.heartbeat is not None:
+            self.heartbeat.stop()
         graceful = graceful and not self._broken and not self.dead()
         if graceful:
             try:
@@ -181,6 +225,8 @@ class RankGroup:
             self.ranks.close()
         if self.rendezvous_dir is not None:
             shutil.rmtree(self.rendezvous_dir, ignore_errors=True)
+        if self._abandon is not None:  # the failure reached the caller in order
+            self._abandon.cancel()
 
 
 def launch(config: Config, scratch: Path | None = None) -> RankGroup | None:
@@ -196,7 +242,7 @@ def launch(config: Config, scratch: Path | None = None) -> RankGroup | None:
             )
         ranks = init_ranks(device)
         ranks.broadcast(config.to_dict())
-        return RankGroup(ranks, [])
+        return RankGroup(ranks, [], timeout_s=config.train.rank_timeout_s)
     if world_size == 1:
         return None
     if scratch is not None:  # the run dir's: emptied at the next launch, even after a SIGKILL
@@ -223,7 +269,7 @@ def launch(config: Config, scratch: Path | None = None) -> RankGroup | None:
             child.kill()
         shutil.rmtree(rendezvous.parent, ignore_errors=True)
         raise
-    return RankGroup(ranks, children, rendezvous.parent)
+    return RankGroup(ranks, children, rendezvous.parent, config.train.rank_timeout_s)
 
 
 # --- ranks 1..P-1 -----------------------------------------------------------------------------
@@ -253,6 +299,9 @@ def serve(device: torch.device) -> int:
         _watch_parent(int(os.environ["ASYNCRL_PARENT_PID"]))
     ranks = init_ranks(device)
     config = build_config(ranks.broadcast())
+    heartbeat = Heartbeat(
+        group_store(), ranks.rank, (0,), config.train.rank_timeout_s, _exit_on_silent_rank_0
+    )
     if config.run.torch_threads:
         torch.set_num_threads(config.run.torch_threads)
     torch.use_deterministic_algorithms(config.run.deterministic)
@@ -265,6 +314,7 @@ def serve(device: torch.device) -> int:
         command = ranks.broadcast()
         kind = command["kind"]
         if kind == "stop":
+            heartbeat.stop()
             writer.wait()
             break
         if kind == "step":
@@ -281,6 +331,11 @@ def serve(device: torch.device) -> int:
             algo.policy_weights()  # rank 0 publishes the restored version
     ranks.close()
     return 0
+
+
+def _exit_on_silent_rank_0(silent: list[tuple[int, float]]) -> None:
+    print(f"asyncrl: trainer {describe(silent)}; this rank exits", file=sys.stderr, flush=True)
+    os._exit(EXIT_FAILED)
 
 
 class RankWriter:
