@@ -69,7 +69,9 @@ def main() -> None:
     if settings.get("average"):
         average_instead_of_summing()
     ranks = ranks_module.init_ranks(torch.device("cpu"))
-    results = [step_gradients(groups, case, ranks) for case in settings["cases"]]
+    # only rank 0 has the step's groups, as in a run: the others train what it sends them
+    mine = groups if ranks.rank == 0 else []
+    results = [step_gradients(mine, case, ranks) for case in settings["cases"]]
     if ranks.rank == 0:
         torch.save(results, out)
 

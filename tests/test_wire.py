@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from wire_peer import command, digest
+from wire_peer import command, digest, share_digest, shares
 
 from asyncrl.distributed import wire
 
@@ -70,6 +70,9 @@ def test_two_gloo_ranks_exchange_a_step_command_with_unpickling_switched_off(tmp
     assert rank1["received"] == rank0["received"] == digest(command())
     assert rank0["gathered"] == rank1["gathered"]
     assert "'loss': 1.5" in rank0["gathered"] and "nan" in rank0["gathered"]
+    sent = shares(2)
+    assert rank0["scattered"] == share_digest(sent[0]) != share_digest(sent[1])
+    assert rank1["scattered"] == share_digest(sent[1])  # its own, and only its own
     # negative control: torch's pickle-based collectives unpickle on the receiving ranks
     (tmp_path / "rank0.json").unlink()
     (tmp_path / "rank1.json").unlink()

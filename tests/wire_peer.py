@@ -80,6 +80,28 @@ def digest(cmd: dict) -> dict:
     }
 
 
+def shares(world_size: int) -> list[dict]:
+    """A different value for each rank (what a GRPO step scatters: rows of tensors, prompts,
+    scalars)."""
+    return [
+        {
+            "rows": torch.arange(4 * r, 4 * r + 4),
+            "mask": torch.tensor([True, r == 1, False]),
+            "weights": torch.full((2, 3), 0.5 + r, dtype=torch.bfloat16),
+            "prompts": [[1, 2, r]],
+            "normaliser": 12.0,
+        }
+        for r in range(world_size)
+    ]
+
+
+def share_digest(share: dict) -> dict:
+    return {
+        key: [str(v.dtype), v.float().tolist()] if isinstance(v, torch.Tensor) else v
+        for key, v in share.items()
+    }
+
+
 def main() -> None:
     out, transport = Path(sys.argv[1]), sys.argv[2]
     ranks = init_ranks(torch.device("cpu"))
@@ -95,6 +117,9 @@ def main() -> None:
         dist.all_gather_object(gathered, stats)
     assert all(isinstance(part, tuple) for parts in gathered for part in parts)  # types kept
     result = {"received": digest(received), "gathered": repr(gathered)}
+    if transport == "wire":  # each rank its own rows, point to point
+        mine = ranks.scatter(shares(ranks.world_size) if ranks.rank == 0 else None)
+        result["scattered"] = share_digest(mine)
     (out / f"rank{ranks.rank}.json").write_text(json.dumps(result))
     ranks.close()
     assert wire.DTYPES  # imported for its side: nothing

@@ -13,7 +13,13 @@ from typing import TYPE_CHECKING, Any, ClassVar
 import torch
 
 from asyncrl.algos.base import load_policy_state, policy_state
-from asyncrl.algos.parallel import SINGLE, Ranks, rank_micro_batches
+from asyncrl.algos.parallel import (
+    SINGLE,
+    Ranks,
+    rank_micro_batches,
+    received_share,
+    row_shares,
+)
 from asyncrl.algos.schedule import StepSchedule
 from asyncrl.algos.update import (
     ReferencePolicy,
@@ -81,26 +87,41 @@ class GRPO:
 
     def step(self, groups: list[Group], step: int) -> dict[str, float]:
         """One optimizer update on the step's groups, accumulated over micro-batches of
-        `train.micro_batch_size` sequences; returns its metrics."""
-        batch = to_device(stack_groups(groups, self.pad_id), self.device)
-        rewards, mask = batch["rewards"], batch["completion_mask"]
-        advantages = self.advantages(rewards).reshape(-1, 1)  # [B, 1]
-        self._entropy_coef = self.entropy_coef(advantages)  # one weight for the whole step
-        # every micro-batch's loss is a weighted sum over the step's one normaliser
-        weights, normaliser = loss_weights(mask, self.config.loss_aggregation, self.max_new_tokens)
+        `train.micro_batch_size` sequences; returns its metrics. With ranks, rank 0 computes
+        the advantages and the normaliser, which need the whole batch, and sends each rank
+        its rows alone (`row_shares`); the others' `groups` are ignored."""
+        ranks = self.ranks
+        batch: dict[str, Any] = {}
+        shares = None
+        if ranks.rank == 0:
+            batch = to_device(stack_groups(groups, self.pad_id), self.device)
+            advantages = self.advantages(batch["rewards"]).reshape(-1, 1)  # [B, 1]
+            # every micro-batch's loss is a weighted sum over the step's one normaliser
+            weights, normaliser = loss_weights(
+                batch["completion_mask"], self.config.loss_aggregation, self.max_new_tokens
+            )
+            shares = row_shares(
+                select(batch, slice(None)),
+                {"advantages": advantages, "weights": weights},
+                {"normaliser": normaliser, "entropy_coef": self.entropy_coef(advantages)},
+                ranks.world_size,
+            )
+        share = to_device(received_share(ranks.scatter(shares)), self.device)
+        self._entropy_coef = share["entropy_coef"]  # one weight for the whole step
+        num_rows, offset = share["num_rows"], share["offset"]
         self.model.train()
         self.optimizer.zero_grad(set_to_none=True)
         lr = self.schedule.start(step)
         loss_total, stats = 0.0, StepStats()
         trainer_logprobs: list[tuple[slice, torch.Tensor]] = []
-        ranks, check = self.ranks, self.ranks.world_size == 1
+        check = ranks.world_size == 1
         for micro in rank_micro_batches(
-            len(mask), self.micro_batch_size, ranks.rank, ranks.world_size
+            num_rows, self.micro_batch_size, ranks.rank, ranks.world_size
         ):
-            rows = micro.rows
-            part = select(batch, rows)
+            rows, own = micro.rows, slice(micro.rows.start - offset, micro.rows.stop - offset)
+            part = select(share, own)
             loss, logprobs, part_stats = self._micro_loss(
-                part, advantages[rows], weights[rows], normaliser
+                part, share["advantages"][own], share["weights"][own], share["normaliser"]
             )
             if not micro.real:  # a stand-in: the passes' collectives, no gradient
                 backward(loss * 0.0, check=check)
@@ -110,11 +131,14 @@ class GRPO:
             stats.add(part_stats, float(part["completion_mask"].sum()))
         (loss_total,) = ranks.sum([loss_total])
         stats = stats.gathered(ranks.gather(stats.parts))
-        all_logprobs = ranks.assemble(trainer_logprobs, len(mask), batch["behaviour_logprobs"])
+        all_logprobs = ranks.assemble(trainer_logprobs, num_rows, share["behaviour_logprobs"])
         grad_norm = apply_gradients(
             self.optimizer, self.model.parameters(), self.config.max_grad_norm
         )
         self.schedule.advance()
+        if ranks.rank != 0:
+            return {"loss": loss_total}  # the step's metrics are rank 0's to record
+        rewards, mask = batch["rewards"], batch["completion_mask"]
         group_std = rewards.std(dim=1, unbiased=False)
         return {
             "loss": loss_total,

@@ -25,6 +25,8 @@ from typing import Any, Protocol
 import torch
 
 from asyncrl.algos.update import micro_batches
+from asyncrl.core.buffer import group_from_state, group_state
+from asyncrl.core.types import Group
 
 
 @dataclass(frozen=True)
@@ -64,6 +66,65 @@ def rank_micro_batches(
     return own + [MicroBatch(slice(first, first + 1), real=False)] * (count - len(own))
 
 
+def share_rows(num_rows: int, rank: int, world_size: int) -> slice:
+    """The rows rank `rank` is sent of a batch of `num_rows`: its block (`rank_rows`), or row
+    0 alone for a rank with none (its stand-in passes run on it)."""
+    block = rank_rows(num_rows, rank, world_size)
+    return block if block.stop > block.start else slice(0, 1)
+
+
+def row_shares(
+    rows: dict[str, Any], per_row: dict[str, torch.Tensor], common: dict[str, Any], world_size: int
+) -> list[dict[str, Any]]:
+    """What each rank needs of a step it trains rows of, rank by rank: its rows
+    (`share_rows`) of the per-sample values (`rows`: a `select`ed batch; `per_row`: tensors
+    with a row dimension), the values every rank needs whole (`common`: the normaliser, the
+    step's coefficients), the batch's row count and where its rows start. With one rank the
+    one share holds the batch itself (no copy)."""
+    num_rows = len(rows["prompts"])
+    if world_size == 1:
+        return [{**rows, **per_row, **common, "num_rows": num_rows, "offset": 0}]
+    shares = []
+    for rank in range(world_size):
+        own = share_rows(num_rows, rank, world_size)
+        share = {key: value[own] for key, value in {**rows, **per_row}.items()}
+        # a group's G rows share one prompt: each distinct prompt goes once
+        prompts: list[Any] = []
+        index: list[int] = []
+        for row in share.pop("prompts"):
+            if not prompts or row != prompts[-1]:
+                prompts.append(row)
+            index.append(len(prompts) - 1)
+        shares.append(
+            {
+                **share,
+                **common,
+                "distinct_prompts": prompts,
+                "prompt_index": index,
+                "num_rows": num_rows,
+                "offset": own.start,
+            }
+        )
+    return shares
+
+
+def received_share(share: dict[str, Any]) -> dict[str, Any]:
+    """A share as `row_shares` made it, its rows' prompts one per row again."""
+    if "prompts" in share:
+        return share
+    distinct = share.pop("distinct_prompts")
+    return {**share, "prompts": [distinct[i] for i in share.pop("prompt_index")]}
+
+
+def shared_groups(ranks: Ranks, groups: list[Group]) -> list[Group]:
+    """The step's groups on every rank: rank 0's, broadcast (an algorithm whose every rank
+    needs every row: PPO's minibatches are drawn from all of them)."""
+    if ranks.world_size == 1:
+        return groups
+    states = ranks.broadcast([group_state(g) for g in groups] if ranks.rank == 0 else None)
+    return groups if ranks.rank == 0 else [group_from_state(state) for state in states]
+
+
 class Ranks(Protocol):
     """The data-parallel group one algorithm trains in."""
 
@@ -82,6 +143,15 @@ class Ranks(Protocol):
     def gather(self, value: Any) -> list[Any]:
         """Every rank's `value`, in rank order (small picklable values between our own ranks:
         metrics, never a checkpoint)."""
+        ...
+
+    def broadcast(self, value: Any = None) -> Any:
+        """Rank 0's `value` on every rank (ignored elsewhere). One rank: `value`."""
+        ...
+
+    def scatter(self, values: list[Any] | None = None) -> Any:
+        """Rank 0's `values[r]` on rank r, and on no other (`values` is ignored elsewhere).
+        One rank: `values[0]`."""
         ...
 
     def assemble(
@@ -113,6 +183,13 @@ class SingleProcess:
 
     def gather(self, value: Any) -> list[Any]:
         return [value]
+
+    def broadcast(self, value: Any = None) -> Any:
+        return value
+
+    def scatter(self, values: list[Any] | None = None) -> Any:
+        assert values is not None
+        return values[0]
 
     def assemble(
         self, pieces: list[tuple[slice, torch.Tensor]], num_rows: int, like: torch.Tensor

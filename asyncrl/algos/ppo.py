@@ -25,7 +25,7 @@ import numpy as np
 import torch
 
 from asyncrl.algos.base import load_policy_state, policy_state
-from asyncrl.algos.parallel import SINGLE, MicroBatch, Ranks, rank_micro_batches
+from asyncrl.algos.parallel import SINGLE, MicroBatch, Ranks, rank_micro_batches, shared_groups
 from asyncrl.algos.schedule import StepSchedule
 from asyncrl.algos.update import (
     ReferencePolicy,
@@ -226,6 +226,7 @@ class PPO:
         policy once past warm-up) on the step's groups, each update accumulated over
         micro-batches of `train.micro_batch_size` sequences; returns its metrics."""
         cfg, opt = self.config, self.options
+        groups = shared_groups(self.ranks, groups)  # every rank: minibatches draw from all rows
         batch = to_device(stack_groups(groups, self.pad_id), self.device)
         rewards, mask = batch["rewards"], batch["completion_mask"]
         self.model.train()

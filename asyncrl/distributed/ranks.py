@@ -97,6 +97,10 @@ class TorchRanks:
         step's groups as tensors; `asyncrl.distributed.wire`, no pickle)."""
         return wire.broadcast(value, self.rank, self._comm_device)
 
+    def scatter(self, values: list[Any] | None = None) -> Any:
+        """Rank 0's `values[r]` on rank r only (a step's rows: `wire.scatter`)."""
+        return wire.scatter(values, self.rank, self.world_size, self._comm_device)
+
     @property
     def _comm_device(self) -> torch.device:
         return self.device if self.device.type == "cuda" else torch.device("cpu")

@@ -5,8 +5,9 @@ over `torch.distributed` as tensors: a length, the JSON's bytes, then each tenso
 send only data: `torch.distributed`'s `*_object` collectives unpickle whatever arrives, which
 under a multi-node torchrun is code execution for anyone who can reach the rendezvous.
 
-`pack` / `unpack` are the pure codec (tested without a process group); `broadcast` and
-`all_gather` are the shells over a group.
+`pack` / `unpack` are the pure codec (tested without a process group); `broadcast`,
+`scatter` (each rank its own value only, point to point) and `all_gather` are the shells over a
+group.
 """
 
 from __future__ import annotations
@@ -78,11 +79,8 @@ def broadcast(value: Any, rank: int, device: torch.device, group: Any = None) ->
     if rank != 0:
         header = raw.cpu().numpy().tobytes()
         tensors = buffers(header, torch.device("cpu"))
-    by_dtype: dict[torch.dtype, list[int]] = {}
-    for i, t in enumerate(tensors):
-        by_dtype.setdefault(t.dtype, []).append(i)
     received = list(tensors)
-    for dtype, indices in by_dtype.items():
+    for dtype, indices in _by_dtype(tensors).items():
         if rank == 0:
             flat = torch.cat([tensors[i].reshape(-1).to(device) for i in indices])
         else:
@@ -94,6 +92,53 @@ def broadcast(value: Any, rank: int, device: torch.device, group: Any = None) ->
             for i, piece in zip(indices, pieces, strict=True):
                 received[i] = piece.view(tensors[i].shape)
     return unpack(header, received) if rank != 0 else value
+
+
+def _by_dtype(tensors: list[torch.Tensor]) -> dict[torch.dtype, list[int]]:
+    """The indices of `tensors` by dtype, in order: each dtype's tensors go as one buffer."""
+    by_dtype: dict[torch.dtype, list[int]] = {}
+    for i, t in enumerate(tensors):
+        by_dtype.setdefault(t.dtype, []).append(i)
+    return by_dtype
+
+
+def send(value: Any, dst: int, device: torch.device, group: Any = None) -> None:
+    """`value` to rank `dst` alone (point to point; `recv` there takes it)."""
+    header, tensors = pack(value)
+    dist.send(torch.tensor([len(header)], dtype=torch.int64, device=device), dst, group)
+    dist.send(torch.frombuffer(bytearray(header), dtype=torch.uint8).to(device), dst, group)
+    for indices in _by_dtype(tensors).values():
+        dist.send(torch.cat([tensors[i].reshape(-1).to(device) for i in indices]), dst, group)
+
+
+def recv(src: int, device: torch.device, group: Any = None) -> Any:
+    """The value rank `src` sends this rank with `send`."""
+    size = torch.zeros(1, dtype=torch.int64, device=device)
+    dist.recv(size, src, group)
+    raw = torch.empty(int(size.item()), dtype=torch.uint8, device=device)
+    dist.recv(raw, src, group)
+    header = raw.cpu().numpy().tobytes()
+    tensors = buffers(header, torch.device("cpu"))
+    for dtype, indices in _by_dtype(tensors).items():
+        flat = torch.empty(sum(tensors[i].numel() for i in indices), dtype=dtype, device=device)
+        dist.recv(flat, src, group)
+        pieces = flat.cpu().split([tensors[i].numel() for i in indices])
+        for i, piece in zip(indices, pieces, strict=True):
+            tensors[i] = piece.view(tensors[i].shape)
+    return unpack(header, tensors)
+
+
+def scatter(
+    values: list[Any] | None, rank: int, world_size: int, device: torch.device, group: Any = None
+) -> Any:
+    """Rank 0's `values[r]` on rank r, and on no other rank (`values` is ignored elsewhere):
+    a rank receives only what is its own."""
+    if rank != 0:
+        return recv(0, device, group)
+    assert values is not None and len(values) == world_size
+    for dst in range(1, world_size):
+        send(values[dst], dst, device, group)
+    return values[0]
 
 
 def all_gather(value: Any, world_size: int, device: torch.device, group: Any = None) -> list[Any]:

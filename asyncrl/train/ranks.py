@@ -54,7 +54,6 @@ from asyncrl.checkpoint.snapshot import MODEL_FILE, STATE_FILE, Stateful, decode
 from asyncrl.checkpoint.staging import Cut, StagingArea
 from asyncrl.checkpoint.store import CheckpointError, Verified
 from asyncrl.config import Config, ConfigError
-from asyncrl.core.buffer import group_from_state
 from asyncrl.distributed.heartbeat import Heartbeat, describe, group_store
 from asyncrl.distributed.ranks import LOCAL_RENDEZVOUS, TorchRanks, init_ranks
 from asyncrl.faults import fault_facts, fault_point
@@ -319,7 +318,7 @@ def serve(device: torch.device) -> int:
             break
         if kind == "step":
             try:
-                algo.step([group_from_state(g) for g in command["groups"]], command["step"])
+                algo.step([], command["step"])  # its data comes from rank 0's algo.step
             except NonFiniteLoss:
                 continue  # every rank refused the step (the norm is global): rank 0 stops
             fault_point("rank.step_done", step=command["step"])

@@ -41,7 +41,7 @@ from asyncrl.checkpoint.store import CheckpointError, Verified
 from asyncrl.checkpoint.writer import CheckpointWriter
 from asyncrl.config import Config
 from asyncrl.config.keys import benign_differences, config_hash
-from asyncrl.core.buffer import group_state, tokens_per_group
+from asyncrl.core.buffer import tokens_per_group
 from asyncrl.core.resume import ResumePlan, plan_resume
 from asyncrl.faults import cut_facts, fault_point
 from asyncrl.rollout.collector import Chunk, GenerationFailed
@@ -349,7 +349,7 @@ class Trainer:
         groups = self.parts.buffer.sample(step, check=self._wait_check)
         train_start = time.perf_counter()
         if self.group is not None:
-            self.group.command("step", step=step, groups=[group_state(g) for g in groups])
+            self.group.command("step", step=step)  # the algorithm sends what ranks need
         algo_metrics = self.parts.algo.step(groups, step)
         fault_point("train.optimizer_step", step=step)
         trained = time.perf_counter()
