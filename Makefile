@@ -8,7 +8,7 @@ RUN_DIR ?= runs/demo-$(NOW)
 # a demo's run dir: RUN_DIR when given (command line or environment), else runs/NAME-TIME
 demo_dir = $(if $(filter command line environment,$(origin RUN_DIR)),$(RUN_DIR),runs/$(1)-$(NOW))
 
-.PHONY: setup demo math-demo ppo-demo rloo-demo test test-fast lint bench bench-algos bench-ray bench-scale bench-reward bench-engines bench-records chaos docs clean
+.PHONY: setup demo math-demo ppo-demo rloo-demo test test-fast lint bench bench-algos bench-ray bench-scale bench-reward bench-engines bench-records bench-rank-messages chaos docs clean
 
 setup: $(STAMP)
 
@@ -75,6 +75,9 @@ bench-engines: setup
 
 bench-records: setup
 	$(BIN)/python benchmarks/records.py
+
+bench-rank-messages: setup
+	$(BIN)/python benchmarks/rank_messages.py
 
 chaos: setup
 	$(BIN)/python benchmarks/chaos.py --trials 200

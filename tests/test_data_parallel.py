@@ -134,3 +134,36 @@ def test_ranks_split_a_steps_rows_into_contiguous_blocks_with_equal_pass_counts(
                 )
     # one rank: exactly the one-process micro-batches
     assert [m.rows for m in rank_micro_batches(12, 5, 0, 1)] == micro_batches(12, 5)
+
+
+def test_each_rank_is_sent_its_own_rows_alone_and_every_pass_it_runs_finds_them(groups):
+    """What GRPO scatters (`row_shares`), through the wire codec: rank r gets exactly rows
+    `share_rows(B, r, P)` of the batch (a rank with none gets row 0 for its stand-in passes),
+    each distinct prompt once, and every micro-batch `rank_micro_batches` gives it lies in
+    them."""
+    from asyncrl.algos.parallel import received_share, row_shares, share_rows
+    from asyncrl.algos.update import select, stack_groups
+    from asyncrl.distributed import wire
+
+    batch = stack_groups(groups, 0)
+    num_rows, samples = len(batch["prompts"]), groups[0].num_generations
+    advantages = torch.arange(num_rows, dtype=torch.float32).reshape(-1, 1)
+    rows = select(batch, slice(None))
+    for world_size in (1, 2, 3, 5, num_rows + 2):
+        shares = row_shares(rows, {"advantages": advantages}, {"normaliser": 7.0}, world_size)
+        assert len(shares) == world_size
+        for rank, sent in enumerate(shares):
+            share = received_share(wire.unpack(*wire.pack(sent)))
+            own = share_rows(num_rows, rank, world_size) if world_size > 1 else slice(0, num_rows)
+            assert (share["num_rows"], share["offset"], share["normaliser"]) == (
+                num_rows, own.start, 7.0,
+            )  # fmt: skip
+            for key in ("completion_ids", "completion_mask", "behaviour_logprobs"):
+                assert torch.equal(share[key], batch[key][own]), (world_size, rank, key)
+            assert torch.equal(share["advantages"], advantages[own])
+            assert share["prompts"] == batch["prompts"][own]
+            if world_size > 1:  # each group's prompt once, not once per sample
+                touched = {i // samples for i in range(own.start, own.stop)}
+                assert len(sent["distinct_prompts"]) <= len(touched)
+            for micro in rank_micro_batches(num_rows, 3, rank, world_size):
+                assert own.start <= micro.rows.start < micro.rows.stop <= own.stop

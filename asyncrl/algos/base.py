@@ -45,8 +45,10 @@ class Algorithm(Protocol):
 
     def step(self, groups: list[Group], step: int) -> dict[str, float]:
         """One training step on the step's N groups (ordered by ordinal); returns its metrics,
-        `loss` and `reward_mean` among them. Raises `NonFiniteLoss` before changing a weight
-        if the loss or a gradient is not finite."""
+        `loss` and `reward_mean` among them. With ranks it is called on every rank, with the
+        groups on rank 0 only (`[]` elsewhere): what the others train, rank 0 sends them
+        through `ranks` (`scatter`: each its rows; `broadcast`: all of them). Raises
+        `NonFiniteLoss` before changing a weight if the loss or a gradient is not finite."""
         ...
 
     def policy_weights(self) -> dict[str, torch.Tensor]:

@@ -100,9 +100,12 @@ class GRPO:
             weights, normaliser = loss_weights(
                 batch["completion_mask"], self.config.loss_aggregation, self.max_new_tokens
             )
+            per_row = {"advantages": advantages}
+            if weights is not batch["completion_mask"]:  # token_mean and constant: the mask
+                per_row["weights"] = weights
             shares = row_shares(
                 select(batch, slice(None)),
-                {"advantages": advantages, "weights": weights},
+                per_row,
                 {"normaliser": normaliser, "entropy_coef": self.entropy_coef(advantages)},
                 ranks.world_size,
             )
@@ -120,8 +123,9 @@ class GRPO:
         ):
             rows, own = micro.rows, slice(micro.rows.start - offset, micro.rows.stop - offset)
             part = select(share, own)
+            weights = share.get("weights", share["completion_mask"])[own]
             loss, logprobs, part_stats = self._micro_loss(
-                part, share["advantages"][own], share["weights"][own], share["normaliser"]
+                part, share["advantages"][own], weights, share["normaliser"]
             )
             if not micro.real:  # a stand-in: the passes' collectives, no gradient
                 backward(loss * 0.0, check=check)

@@ -6,8 +6,9 @@
     build: algo (sharded), publish v0  ── gather ──    build: algo (sharded), gather
     resume: "restore" ────────────────────────────▶    load own rows of model + algorithm
     step t: groups = buffer.sample(t)
-            "step" + the N groups ────────────────▶    algo.step(groups, t) on its rows
-            algo.step on its rows ◀─ FSDP2 reduce ─▶   (gradients summed by reduce-scatter)
+            "step" ───────────────────────────────▶    algo.step([], t):
+            algo.step: each rank its rows ─ scatter ▶  its rows (GRPO/RLOO; PPO: all groups)
+            trains its rows ◀───── FSDP2 reduce ───▶   (gradients summed by reduce-scatter)
             publish v=t+1 ◀── full weights gather ─    gather
     checkpoint: cut, store.begin ─ "checkpoint" ──▶    writes its rank files into the
             ◀────────────── sizes + SHA-256 ──────     temp dir, hashed while written
