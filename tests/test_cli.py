@@ -55,7 +55,7 @@ FROZEN_CONFIG_KEYS = [
     "algo.entropy_scale",
     "checkpoint.save_period", "checkpoint.keep_last", "checkpoint.resume_policy",
     "checkpoint.staging_buffer",
-    "eval.every_steps", "eval.path", "eval.split", "eval.max_examples", "eval.num_samples",
+    "eval.every_steps", "eval.at_start", "eval.path", "eval.split", "eval.max_examples", "eval.num_samples",
     "eval.temperature", "eval.greedy", "eval.pass_threshold", "eval.batch_prompts",
     "logging.progress", "logging.tensorboard", "logging.plot", "logging.wandb",
     "logging.wandb_project", "logging.wandb_run_name", "logging.mlflow",

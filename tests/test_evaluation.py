@@ -90,7 +90,7 @@ def test_a_failing_reward_is_counted_and_training_goes_on(tmp_path):
     assert last["eval/num_examples"] == 10
     assert last["eval/reward_failures"] == 2  # row 7, sampled and greedy
     events = [e for e in read_records(tmp_path / "run" / "events.jsonl") if e["event"] == "eval"]
-    assert [(e["step"], e["version"]) for e in events] == [(1, 2)]
+    assert [(e["step"], e["version"]) for e in events] == [(-1, 0), (1, 2)]  # at start, end
 
 
 def test_eval_prompts_come_from_the_path_or_split_asked_for(tmp_path):
@@ -141,16 +141,23 @@ def test_a_deterministic_run_trains_the_same_bits_with_evaluation_on_or_off(tmp_
 
 def test_the_eval_plot_draws_each_evaluated_step(tmp_path):
     from asyncrl.cli.plots import figure_eval, run_plot_data, write_plots
+    from asyncrl.cli.report import end_of_run_report
 
     run = tmp_path / "run"
     config = small_config("eval.every_steps=2", "eval.max_examples=8", "run.max_num_steps=5")
     train(config, run)
     records = read_records(run / "metrics.jsonl")
+    (initial,) = [e for e in read_records(run / "events.jsonl") if e.get("version") == 0]
+    assert initial["event"] == "eval" and initial["step"] == -1  # eval.at_start, the default
     figure = figure_eval(run_plot_data(run)[0])
     lines = {line.get_label(): line for line in figure.axes[0].get_lines()}
-    assert list(lines["pass@4"].get_xdata()) == [1, 3, 4]
+    # against the steps trained: the initial weights at 0, those after step t at t + 1
+    assert list(lines["pass@4"].get_xdata()) == [0, 2, 4, 5]
     expected = [r["eval/reward_mean"] for r in records if "eval/reward_mean" in r]
-    assert list(lines["reward_mean"].get_ydata()) == expected
+    assert list(lines["reward_mean"].get_ydata()) == [initial["eval/reward_mean"], *expected]
+    assert len(figure.axes[1].get_lines()) == len(figure.axes[0].get_lines())  # wall time
+    summary = end_of_run_report(run, plot=False)
+    assert f"reward {initial['eval/reward_mean']:.3f}" in summary and "before training" in summary
     assert run / "plots" / "eval.png" in write_plots(run)
     assert (run / "plots" / "eval.png").read_bytes()[:4] == b"\x89PNG"
 

@@ -79,6 +79,8 @@ class PlotData:
     """step -> the `STEP_FIELDS` of its last record."""
     evals: Decimated = field(default_factory=Decimated)
     """evaluated step -> its `eval/...` fields."""
+    initial_eval: dict[str, Any] | None = None
+    """The initial weights' `eval/...` fields (`eval.at_start`: the last such event)."""
     oldest_age: bytearray = field(default_factory=bytearray)
     """Per step, 1 + how old its oldest group's weights were (0: no record); 255 caps it."""
     last_step: int = -1
@@ -141,6 +143,8 @@ def read_plot_data(
             data.resumes.append(
                 {k: len(e[k]) if isinstance(e.get(k), list) else e.get(k) for k in keep}
             )
+        elif name == "eval" and e.get("version") == 0:
+            data.initial_eval = {k: v for k, v in e.items() if k.startswith("eval/")}
         elif name == "start":
             data.starts.append(
                 {"time": e["time"], "attempt": e["attempt"], "from_step": e["from_step"]}

@@ -153,29 +153,46 @@ def figure_ledger(data: PlotData) -> Figure:
 
 
 def figure_eval(data: PlotData) -> Figure:
-    """The `eval/...` results of the steps that were evaluated, against step, with the
-    training reward for comparison."""
+    """The `eval/...` results of the evaluated weights — the initial ones too
+    (`eval.at_start`) — against the steps trained and against wall time, with the training
+    reward for comparison."""
     evaluated = data.evals.items()
-    fig, ax = plt.subplots(figsize=(8, 4.5))
+    points = [(step + 1, r) for step, r in evaluated]  # weights after step t: t+1 steps
+    walls = dict(
+        zip([s for s, _ in evaluated], data.wall_at([s for s, _ in evaluated]), strict=True)
+    )
+    if data.initial_eval is not None:
+        points.insert(0, (0, data.initial_eval))
+    fig, (by_step, by_wall) = plt.subplots(1, 2, figsize=(12, 4.5), sharey=True)
     keys = ["eval/reward_mean", "eval/pass@1"]
-    keys += sorted({k for _, r in evaluated for k in r if k.startswith("eval/pass@")} - set(keys))
-    keys += ["eval/greedy_reward"]
+    keys += sorted({k for _, r in points for k in r if k.startswith("eval/pass@")} - set(keys))
+    keys += ["eval/greedy_reward", "eval/greedy_pass"]
     for key in keys:
-        points = [(step, r[key]) for step, r in evaluated if key in r]
-        if points:  # the mean reward dashed: with 0/1 rewards it lies on pass@1
-            style = "--" if key == "eval/reward_mean" else "-"
-            ax.plot(*zip(*points, strict=True), style, marker="o", label=key[5:])
-    ax.plot(*data.step_series("reward_mean"), color="0.7", linewidth=0.8, label="training reward")
-    ax.set_xlabel("step (weights after it)")
-    ax.set_ylabel("reward / pass rate")
-    ax.set_title(
-        f"evaluation ({int(evaluated[-1][1]['eval/num_examples'])} prompts"
+        series = [(trained, r[key]) for trained, r in points if key in r]
+        if not series:
+            continue
+        style = "--" if key == "eval/reward_mean" else "-"  # with 0/1 rewards it lies on pass@1
+        xs, ys = zip(*series, strict=True)
+        by_step.plot(xs, ys, style, marker="o", label=key[5:])
+        seconds = [walls.get(trained - 1, 0.0) for trained in xs]  # the initial weights: 0 s
+        by_wall.plot(seconds, ys, style, marker="o", label=key[5:])
+    steps, rewards = data.step_series("reward_mean")
+    by_step.plot([t + 1 for t in steps], rewards, color="0.7", linewidth=0.8,
+                 label="training reward")  # fmt: skip
+    by_wall.plot(data.wall_at(steps), rewards, color="0.7", linewidth=0.8, label="training reward")
+    by_step.set_xlabel("steps trained (0: the initial weights)")
+    by_wall.set_xlabel("wall time (s)")
+    by_step.set_ylabel("reward / pass rate")
+    last = points[-1][1] if points else None
+    fig.suptitle(
+        f"evaluation ({int(last['eval/num_examples'])} prompts"
         f"{_every(data.evals.stride, 'evaluated step')})"
-        if evaluated
+        if last
         else "evaluation (none recorded)"
     )
-    ax.legend(loc="best", fontsize=8)
-    ax.grid(alpha=0.3)
+    by_step.legend(loc="best", fontsize=8)
+    for axis in (by_step, by_wall):
+        axis.grid(alpha=0.3)
     fig.tight_layout()
     return fig
 

@@ -28,6 +28,8 @@ class Summary:
     seconds: dict[str, array] = field(default_factory=lambda: {k: array("f") for k in SUMMED})
     evals: dict[int, dict[str, Any]] = field(default_factory=dict)
     """Evaluated step -> its `eval/...` fields (the last record of a step counts)."""
+    initial_eval: dict[str, Any] | None = None
+    """The initial weights' evaluation (`eval.at_start`), with `step` -1."""
     wall_s: float = 0.0
 
     def add(self, r: dict[str, Any]) -> None:
@@ -50,6 +52,15 @@ class Summary:
 
 def _eval_fields(r: dict[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in r.items() if k == "step" or k.startswith("eval/")}
+
+
+def read_initial_eval(events: Iterable[dict[str, Any]]) -> dict[str, Any] | None:
+    """The initial weights' evaluation (`eval` events of `version` 0: the last one)."""
+    found = None
+    for e in events:
+        if e.get("event") == "eval" and e.get("version") == 0:
+            found = {"step": -1, **{k: v for k, v in e.items() if k.startswith("eval/")}}
+    return found
 
 
 def read_summary(metrics: Iterable[dict[str, Any]]) -> Summary:
@@ -86,7 +97,7 @@ def summarize(summary: Summary, run_dir: Path) -> str:
         f"  time          generation {total['generation_s']:.1f} s, training "
         f"{total['train_s']:.1f} s, trainer waited {total['wait_s']:.1f} s for rollouts",
         *_eval_lines(
-            summary.evals[min(summary.evals)] if summary.evals else None,
+            summary.initial_eval or (summary.evals[min(summary.evals)] if summary.evals else None),
             summary.evals[max(summary.evals)] if summary.evals else None,
         ),
         "  files         config.yaml metrics.jsonl events.jsonl timeline.jsonl "
@@ -109,7 +120,9 @@ def _eval_lines(first: dict[str, Any] | None, last: dict[str, Any] | None) -> li
 
     def result(r: dict[str, Any]) -> str:
         passes = f", {k[5:]} {r[k]:.3f}" if k in r else ""
-        return f"reward {r['eval/reward_mean']:.3f}{passes} after step {r['step']}"
+        greedy = f", greedy {r['eval/greedy_pass']:.3f}" if "eval/greedy_pass" in r else ""
+        when = "before training" if r["step"] < 0 else f"after step {r['step']}"
+        return f"reward {r['eval/reward_mean']:.3f}{passes}{greedy} {when}"
 
     return [f"  eval          {result(first)}  ->  {result(last)}"]
 
@@ -145,6 +158,7 @@ def end_of_run_report(run_dir: Path, plot: bool) -> str:
     from asyncrl.train.records import iter_jsonl
 
     summary = read_summary(iter_jsonl(run_dir / "metrics.jsonl"))
+    summary.initial_eval = read_initial_eval(iter_jsonl(run_dir / "events.jsonl"))
     if plot and len(summary.reward):
         data, age = run_plot_data(run_dir)
         plot_reward_curve(data, run_dir / "reward_curve.png")

@@ -97,6 +97,10 @@ class EvalConfig:
     every_steps: int = field(default=0, metadata=MAY_CHANGE)
     """Evaluate the weights after every `every_steps` steps (and after the last step); 0: no
     evaluation during training (`asyncrl eval` still evaluates a checkpoint)."""
+    at_start: bool = field(default=True, metadata=MAY_CHANGE)
+    """With `every_steps` > 0: evaluate the initial weights too, before the first step of a
+    run that starts at step 0 — the run's own before figure (an `eval` event with `version` 0
+    and `step` -1, which the summary and `eval.png` show). Generation starts meanwhile."""
     path: str = field(default="", metadata=MAY_CHANGE)
     """The evaluation prompts, read like `data.path` with `data.task`'s keys. Empty: `data.path`
     with split `eval.split`; for `sort_digits`, a held-out generated set."""

@@ -12,7 +12,10 @@ Metrics: `eval/reward_mean` (all samples), `eval/pass@1` (mean share of a prompt
 that pass: reward >= `eval.pass_threshold`), `eval/pass@k` (share of prompts with a passing
 sample among k), `eval/greedy_reward`, `eval/greedy_pass`, `eval/reward/NAME` per reward
 component, `eval/completion_tokens`, `eval/reward_failures` (reward calls that failed: their
-samples count 0 and do not pass), `eval/num_examples`, `eval/seconds`.
+samples count 0 and do not pass), `eval/num_examples`, `eval/seconds`, and the standard errors
+over prompts of pass@1 and the greedy pass rate (`eval/stderr/pass@1`,
+`eval/stderr/greedy_pass`). With `eval.at_start` the initial weights are evaluated too, before
+the first step (an `eval` event with `version` 0).
 """
 
 from __future__ import annotations
@@ -147,6 +150,7 @@ class Evaluator:
             passes = torch.cat([self._passes(p) for p in greedy])
             metrics["eval/greedy_reward"] = float(rewards.mean())
             metrics["eval/greedy_pass"] = float(passes.float().mean())
+            metrics["eval/stderr/greedy_pass"] = standard_error(passes.float())
             metrics["eval/reward_failures"] += sum(p.failed for p in greedy)
         metrics["eval/seconds"] = time.perf_counter() - start
         return metrics
@@ -157,6 +161,7 @@ class Evaluator:
         metrics = {
             "eval/reward_mean": float(rewards.mean()),
             "eval/pass@1": float(passes.mean()),
+            "eval/stderr/pass@1": standard_error(passes.mean(1)),
             f"eval/pass@{k}": float((passes.sum(1) > 0).float().mean()),
             "eval/completion_tokens": sum(p.tokens for p in sampled) / rewards.numel(),
             "eval/reward_failures": float(sum(p.failed for p in sampled)),
@@ -227,13 +232,21 @@ def build_evaluator(config: Config, policy: Policy, task: Task, pool: RewardPool
     )
 
 
+def standard_error(per_prompt: torch.Tensor) -> float:
+    """The standard error of the mean of one value per prompt (the prompts are the sample):
+    `std / sqrt(n)`, 0 for one prompt."""
+    n = per_prompt.numel()
+    return float(per_prompt.std(unbiased=True) / n**0.5) if n > 1 else 0.0
+
+
 def eval_line(record: Mapping[str, float]) -> str:
     """One line for the terminal: a step record's evaluation results."""
     passes = " ".join(
         f"{key[5:]}={record[key]:.3f}" for key in record if key.startswith("eval/pass@")
     )
     greedy = f" greedy={record['eval/greedy_reward']:.3f}" if "eval/greedy_reward" in record else ""
+    when = "of the initial weights" if record["step"] < 0 else f"after step {record['step']}"
     return (
-        f"eval after step {record['step']}: reward={record['eval/reward_mean']:.3f} {passes}"
+        f"eval {when}: reward={record['eval/reward_mean']:.3f} {passes}"
         f"{greedy} ({int(record['eval/num_examples'])} prompts, {record['eval/seconds']:.1f} s)"
     )

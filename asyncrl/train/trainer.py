@@ -284,6 +284,8 @@ class Trainer:
         self._start_s = time.perf_counter() - self._wall_offset()
         self.parts.collector.start()
         try:
+            if self.step == 0:
+                self._evaluate_initial_weights()
             while self.step < self.config.run.max_num_steps:
                 record = self.train_step()
                 if "eval/reward_mean" in record:
@@ -394,6 +396,15 @@ class Trainer:
         metrics = evaluator.evaluate(version, self._full_weights())
         self.logs.events.emit("eval", step=version - 1, version=version, **metrics)
         return metrics
+
+    def _evaluate_initial_weights(self) -> None:
+        """`eval.at_start`: the initial weights' evaluation (version 0), as an `eval` event."""
+        evaluator = self.parts.evaluator
+        if evaluator is None or not self.config.eval.at_start:
+            return
+        metrics = evaluator.evaluate(0, self._full_weights())
+        self.logs.events.emit("eval", step=-1, version=0, **metrics)
+        tqdm.write(eval_line({"step": -1, **metrics}), file=sys.stderr)
 
     def checkpoint(self, wait: bool = False) -> None:
         """Stages the current step's state and hands it to the background writer, which
