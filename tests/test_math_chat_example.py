@@ -68,8 +68,10 @@ def test_the_math_chat_config_runs_every_piece_end_to_end(files, tmp_path, repo_
     done = run_cli("train", str(repo_root / "configs/math_chat.yaml"), "--run-dir", str(run),
                    *overrides)  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
+    assert "eval of the initial weights:" in done.stderr  # eval.at_start
     assert "eval after step 5:" in done.stderr and "eval after step 11:" in done.stderr
-    assert "after step 5  ->  reward" in done.stdout  # the summary's first and last evaluation
+    # the summary's before (the initial weights) and last evaluation
+    assert "before training  ->  reward" in done.stdout and "after step 11\n" in done.stdout
     assert "checkpoints/ tensorboard/ mlruns/" in done.stdout
     records = read_records(run / "metrics.jsonl")
     assert len(records) == 12
