@@ -8,7 +8,8 @@ import torch
 from helpers import DIGITS, small_config
 
 from asyncrl.config import ConfigError, ModelConfig
-from asyncrl.models.policy import completion_logprobs, load_policy
+from asyncrl.models.logprobs import completion_logprobs
+from asyncrl.models.policy import load_policy
 from asyncrl.rollout import engine as engines
 from asyncrl.rollout.engine import EngineCapabilities, EngineSpec, GenerationRequest
 from asyncrl.rollout.torch_engine import TorchGenerationEngine, sample_inverse_cdf

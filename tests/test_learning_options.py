@@ -14,11 +14,8 @@ from helpers import small_config
 from asyncrl.config import ConfigError
 from asyncrl.core.advantages import group_advantages, scaled_group_advantages
 from asyncrl.core.losses import loss_weights, masked_sum
-from asyncrl.models.policy import (
-    completion_logprobs,
-    distinct_prompts,
-    load_pretrained_policy,
-)
+from asyncrl.models.logprobs import completion_logprobs, distinct_prompts
+from asyncrl.models.policy import load_pretrained_policy
 from asyncrl.models.scratch import save_scratch_model
 from asyncrl.train.components import build_components
 
@@ -169,17 +166,17 @@ def test_shared_prompts_with_one_token_completions(models):
 def test_a_row_attending_to_another_groups_prompt_would_be_caught(models, monkeypatch):
     """Negative control: if the cache rows were indexed to the wrong prompt, the comparison
     with the full pass fails."""
-    import asyncrl.models.policy as policy_module
+    import asyncrl.models.logprobs as logprobs_module
 
     policy = models["llama"]
     prompts, ids, mask = batch(policy)
     full, _ = logprobs_and_grads(policy, prompts, ids, mask, shared=False)
-    real = policy_module.distinct_prompts
+    real = logprobs_module.distinct_prompts
 
     def shifted(rows):
         distinct, index = real(rows)
         return distinct, [(i + 1) % len(distinct) for i in index]
 
-    monkeypatch.setattr(policy_module, "distinct_prompts", shifted)
+    monkeypatch.setattr(logprobs_module, "distinct_prompts", shifted)
     wrong, _ = logprobs_and_grads(policy, prompts, ids, mask, shared=True)
     assert float((wrong - full).abs().max()) > 1e-2

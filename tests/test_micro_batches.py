@@ -16,7 +16,7 @@ import torch
 from helpers import groups_of, small_config
 
 from asyncrl.algos import grpo, ppo
-from asyncrl.models.policy import chosen_logprobs
+from asyncrl.models.logprobs import chosen_logprobs
 from asyncrl.train.components import build_components
 
 NUM_GROUPS = 3  # x 4 samples = 12 rows: 1, 2, 3 and 12 micro-batches are sizes 0, 6, 4, 1

@@ -18,7 +18,7 @@ import torch
 from helpers import groups_of, small_config
 
 from asyncrl.core.losses import mismatch_stats
-from asyncrl.models.policy import completion_logprobs
+from asyncrl.models.logprobs import completion_logprobs
 from asyncrl.train.components import build_components
 
 COMMON = (

@@ -17,7 +17,8 @@ from asyncrl.core.partial import Partial
 from asyncrl.core.resume import SavedLedger, plan_resume
 from asyncrl.core.seeds import noise_seed
 from asyncrl.core.stream import PromptStream
-from asyncrl.models.policy import completion_logprobs, load_policy
+from asyncrl.models.logprobs import completion_logprobs
+from asyncrl.models.policy import load_policy
 from asyncrl.rollout.collector import Collector
 from asyncrl.rollout.engine import GenerationRequest
 from asyncrl.rollout.scorer import Scored

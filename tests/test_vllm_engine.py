@@ -11,7 +11,8 @@ import torch
 from helpers import DIGITS, small_config
 
 from asyncrl.config import ConfigError, ModelConfig
-from asyncrl.models.policy import completion_logprobs, load_policy
+from asyncrl.models.logprobs import completion_logprobs
+from asyncrl.models.policy import load_policy
 from asyncrl.rollout.engine import EngineSpec, GenerationRequest, check_engine
 from asyncrl.rollout.weight_sync import CopyWeightSync
 

@@ -15,7 +15,7 @@ from transformers import PreTrainedModel
 from asyncrl.config import AlgoConfig
 from asyncrl.core.losses import kl_estimate, masked_mean, masked_sum, normalise
 from asyncrl.core.types import Group
-from asyncrl.models.policy import completion_logprobs
+from asyncrl.models.logprobs import completion_logprobs
 
 
 class NonFiniteLoss(RuntimeError):

@@ -6,7 +6,6 @@ with the character tokenizer) or loads any local `save_pretrained` directory.
 
 from __future__ import annotations
 
-import inspect
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,7 +22,6 @@ from transformers import (
 )
 
 from asyncrl.config import ConfigError, ModelConfig
-from asyncrl.models.device import model_device
 from asyncrl.models.tokenizer import build_char_tokenizer
 
 
@@ -135,129 +133,3 @@ def join_completions(
         "position_ids": position_ids(attention),
     }
     return inputs, prompt_ids.shape[1]
-
-
-LOGSOFTMAX_CHUNK_BYTES = 256 << 20
-"""The fp32 log-softmax of a batch's completion logits is computed this many bytes of rows at a
-time (at least one row), so no [B, T, V] fp32 matrix beyond the model's own logits exists at
-once outside autograd's saved tensors."""
-
-
-def chunk_rows(num_rows: int, row_elements: int, budget_bytes: int = LOGSOFTMAX_CHUNK_BYTES) -> int:
-    """Rows per chunk so that one chunk's fp32 [rows, T, V] fits in `budget_bytes`."""
-    return max(1, min(num_rows, budget_bytes // max(4 * row_elements, 1)))
-
-
-def chosen_logprobs(
-    logits: torch.Tensor,  # [B, T, V] any float dtype
-    tokens: torch.Tensor,  # [B, T]
-    temperature: float,
-    with_entropy: bool = False,
-    entropy_grad: bool = False,
-    budget_bytes: int = LOGSOFTMAX_CHUNK_BYTES,
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """The log-prob [B, T] of each chosen token under `softmax(logits / temperature)` in fp32,
-    and (`with_entropy`) each position's entropy [B, T], a chunk of rows at a time.
-
-    Row by row this is exactly `log_softmax(logits.float() / temperature).gather(tokens)`
-    (the same kernel on each row: bit-identical), but the fp32 log-softmax of only one chunk
-    exists at a time outside autograd. The entropy is computed without a graph unless
-    `entropy_grad` (it is a metric unless the loss has an entropy bonus), so its
-    `exp(logp) * logp` matrices are never kept for the backward pass."""
-    rows = chunk_rows(logits.shape[0], logits.shape[1] * logits.shape[2], budget_bytes)
-    chosen, entropies = [], []
-    for start in range(0, logits.shape[0], rows):
-        part = logits[start : start + rows].float() / temperature
-        logprobs = torch.log_softmax(part, dim=-1)
-        chosen.append(logprobs.gather(-1, tokens[start : start + rows].unsqueeze(-1)).squeeze(-1))
-        if with_entropy:
-            with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
-                entropies.append(-(logprobs.exp() * logprobs).sum(-1))
-    return torch.cat(chosen), (torch.cat(entropies) if with_entropy else None)
-
-
-def distinct_prompts(prompts: list[list[int]]) -> tuple[list[list[int]], list[int]]:
-    """The prompts with each run of equal consecutive rows (a group's samples) kept once, and
-    for each row the index of its prompt among them."""
-    distinct: list[list[int]] = []
-    index: list[int] = []
-    for row in prompts:
-        if not distinct or (row is not distinct[-1] and row != distinct[-1]):
-            distinct.append(row)
-        index.append(len(distinct) - 1)
-    return distinct, index
-
-
-def keeps_logits(model: PreTrainedModel) -> bool:
-    """Whether the model's forward takes `logits_to_keep` (every current HF causal LM does)."""
-    return "logits_to_keep" in inspect.signature(model.forward).parameters
-
-
-def shared_prompt_logits(
-    model: PreTrainedModel,
-    prompts: list[list[int]],
-    completion_ids: torch.Tensor,  # [B, T] on the model's device
-    completion_mask: torch.Tensor,  # [B, T] bool
-    pad_id: int,
-) -> torch.Tensor:
-    """The logits [B, T, V] that predict each completion token, with each distinct prompt run
-    through the model once: the prompts' pass keeps its KV cache, which is indexed out to the
-    rows (a differentiable gather: the gradient of every row's attention flows back into its
-    prompt's one pass), then the completions attend to it. The same function as the full
-    prompt + completion pass (same positions, same mask); the prompt tokens of a group of G
-    samples cost one row instead of G."""
-    distinct, index = distinct_prompts(prompts)
-    device = completion_ids.device
-    rows = torch.tensor(index, device=device)
-    prompt_ids, prompt_mask = (t.to(device) for t in left_pad(distinct, pad_id))
-    keep = {"logits_to_keep": 1} if keeps_logits(model) else {}
-    out = model(
-        input_ids=prompt_ids,
-        attention_mask=prompt_mask,
-        position_ids=position_ids(prompt_mask),
-        use_cache=True,
-        **keep,
-    )
-    first = out.logits[rows, -1:]  # predicts each row's first completion token
-    if completion_ids.shape[1] == 1:
-        return first
-    cache = out.past_key_values
-    cache.batch_select_indices(rows)
-    attention = torch.cat([prompt_mask[rows], completion_mask.long()], dim=1)
-    width = prompt_ids.shape[1]
-    rest = model(
-        input_ids=completion_ids[:, :-1],
-        attention_mask=attention[:, :-1],
-        position_ids=position_ids(attention)[:, width:-1],
-        past_key_values=cache,
-        use_cache=True,
-    ).logits  # position t predicts completion token t + 1
-    return torch.cat([first, rest], dim=1)
-
-
-def completion_logprobs(
-    model: PreTrainedModel,
-    prompts: list[list[int]],
-    completion_ids: torch.Tensor,  # [B, T]
-    completion_mask: torch.Tensor,  # [B, T] bool
-    temperature: float,
-    pad_id: int,
-    with_entropy: bool = False,
-    entropy_grad: bool = False,
-    shared_prompts: bool = False,
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Log-probs [B, T] of each completion token under `model` at `temperature`, and
-    (`with_entropy`) the entropy [B, T] of each position's token distribution (differentiable
-    only with `entropy_grad`). One full forward pass over prompt + completion per row, or,
-    with `shared_prompts`, one pass per distinct prompt and one over the completions against
-    its cache (`shared_prompt_logits`). Inputs go to the model's device. Masked positions hold
-    garbage; mask them."""
-    completion_ids = completion_ids.to(model_device(model))
-    completion_mask = completion_mask.to(completion_ids.device)
-    if shared_prompts:
-        logits = shared_prompt_logits(model, prompts, completion_ids, completion_mask, pad_id)
-    else:
-        inputs, width = join_completions(prompts, completion_ids, completion_mask, pad_id)
-        logits = model(**inputs, use_cache=False).logits
-        logits = logits[:, width - 1 : -1]  # predicts completion tokens
-    return chosen_logprobs(logits, completion_ids, temperature, with_entropy, entropy_grad)

@@ -24,7 +24,8 @@ import torch
 
 from asyncrl.faults import fault_point
 from asyncrl.models.device import DTYPES
-from asyncrl.models.policy import keeps_logits, left_pad, position_ids
+from asyncrl.models.logprobs import keeps_logits
+from asyncrl.models.policy import left_pad, position_ids
 from asyncrl.rollout.engine import (
     EngineCapabilities,
     EngineSpec,
