@@ -9,7 +9,7 @@ from helpers import hung_reward_pids, process_gone
 
 from asyncrl.rollout.reward_pool import RewardJob, RewardPool
 from asyncrl.tasks.reward_calls import GroupScores, RewardFailure, score_group
-from asyncrl.tasks.rewards import math_reward, reference_answer
+from asyncrl.tasks.rewards import boxed_contents, math_reward, reference_answer
 
 MATH_CASES = [
     # (reference, completion, correct, boxed)
@@ -28,6 +28,9 @@ MATH_CASES = [
     ("42", "no idea", 0, 0),  # no answer
     ("42", "", 0, 0),  # empty completion
     ("7", "\\boxed{7} and then 9", 1, 1),  # the boxed answer wins over the last number
+    ("3", "\\boxed{}\\boxed{} 3 \\boxed{}", 1, 0),  # empty boxes: no format bonus
+    ("3", "\\boxed{3} so \\boxed{3}", 1, 0),  # two boxes: no format bonus
+    ("3", "\\boxed{ }", 0, 0),
 ]
 
 
@@ -41,6 +44,12 @@ def test_math_reward_format_bonus_adds_to_the_reward():
     assert math_reward("\\boxed{13}", "12", format_reward=0.1)["reward"] == pytest.approx(0.1)
     assert math_reward("\\boxed{12}", "12", format_reward=0.1)["reward"] == pytest.approx(1.1)
     assert math_reward("12", "12", format_reward=0.1)["reward"] == 1.0
+
+
+def test_boxed_contents_balance_braces_and_keep_an_unclosed_rest():
+    assert boxed_contents("a \\boxed{\\frac{1}{2}} b \\boxed {7}") == ["\\frac{1}{2}", "7"]
+    assert boxed_contents("\\boxed{}\\boxed{") == ["", ""]
+    assert boxed_contents("no box") == []
 
 
 def test_reference_answer_takes_what_follows_gsm8k_marks():

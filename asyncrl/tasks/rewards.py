@@ -36,6 +36,22 @@ def batched(fn: Callable[..., Any]) -> Callable[..., Any]:
 BOXED = re.compile(r"\\boxed\s*\{")
 
 
+def boxed_contents(completion: str) -> list[str]:
+    """The contents of each `\\boxed{...}` in the completion, braces balanced
+    (`\\boxed{\\frac{1}{2}}` holds `\\frac{1}{2}`); an unclosed one holds the rest."""
+    contents = []
+    for match in BOXED.finditer(completion):
+        depth, start = 1, match.end()
+        for i in range(start, len(completion)):
+            depth += {"{": 1, "}": -1}.get(completion[i], 0)
+            if depth == 0:
+                contents.append(completion[start:i])
+                break
+        else:
+            contents.append(completion[start:])
+    return contents
+
+
 def reference_answer(answer: str) -> str:
     """The final answer of a reference: what follows GSM8K's `####` if there is one, else the
     whole text."""
@@ -46,8 +62,10 @@ def math_reward(completion: str, answer: str, format_reward: float = 0.0) -> dic
     """`correct`: 1 if the completion's final answer — its `\\boxed{}` or else its last number
     or expression, as `math-verify` extracts it — is mathematically equivalent to the
     reference's (`1/2`, `0.5` and `\\frac{2}{4}` agree; `1,000` is 1000), else 0; no answer is
-    0. `format`: 1 if the answer is in a `\\boxed{}`. The reward is
-    `correct + format_reward * format`.
+    0. `format`: 1 if the completion has exactly one `\\boxed{}` and something in it (so
+    that a policy cannot earn the bonus by repeating empty `\\boxed{}`s, which
+    SmolLM2-135M-Instruct learned to do in 40 steps when any `\\boxed{` counted). The reward
+    is `correct + format_reward * format`.
 
     math-verify bounds its own parsing and comparison with `signal.alarm`, which only the main
     thread of a process may use: in a reward worker process (`rollout.reward_workers`) it does;
@@ -58,7 +76,8 @@ def math_reward(completion: str, answer: str, format_reward: float = 0.0) -> dic
     gold = parse(reference_answer(answer), parsing_timeout=timeout)
     predicted = parse(completion, parsing_timeout=timeout) if completion.strip() else []
     correct = bool(gold) and bool(predicted) and verify(gold, predicted, timeout_seconds=timeout)
-    formatted = float(bool(BOXED.search(completion)))
+    boxed = boxed_contents(completion)
+    formatted = float(len(boxed) == 1 and bool(boxed[0].strip()))
     return {
         "reward": float(correct) + format_reward * formatted,
         "correct": float(correct),
