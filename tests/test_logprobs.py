@@ -4,6 +4,8 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
@@ -41,41 +43,75 @@ def completions() -> torch.Tensor:
     return torch.randint(0, VOCAB, MASK.shape, generator=torch.Generator().manual_seed(1))
 
 
-def logits_oracle(model: LlamaForCausalLM, shared: bool) -> tuple[torch.Tensor, ...]:
+def logits_oracle(
+    model: LlamaForCausalLM, shared: bool, entropy_grad: bool = True
+) -> tuple[torch.Tensor, ...]:
     """Log-probs, entropies and gradients through the model's full logits (the path that
     `head_logprobs` replaces), its output layer marked as unusable."""
     lp._HEADS[model] = False
     try:
-        return run(model, shared)
+        return run(model, shared, entropy_grad)
     finally:
         del lp._HEADS[model]
 
 
-def run(model: LlamaForCausalLM, shared: bool) -> tuple[torch.Tensor, ...]:
+def run(
+    model: LlamaForCausalLM, shared: bool, entropy_grad: bool = True
+) -> tuple[torch.Tensor, ...]:
     model.zero_grad()
     ids = completions()
     logprobs, entropy = completion_logprobs(
-        model, PROMPTS, ids, MASK, 0.7, 0, True, True, shared_prompts=shared
+        model, PROMPTS, ids, MASK, 0.7, 0, True, entropy_grad, shared_prompts=shared
     )
     assert entropy is not None
-    ((logprobs * MASK).sum() + 0.1 * (entropy * MASK).sum()).backward()
+    assert entropy.requires_grad == entropy_grad
+    loss = (logprobs * MASK).sum()
+    if entropy_grad:
+        loss = loss + 0.1 * (entropy * MASK).sum()
+    loss.backward()
     grads = [p.grad.clone() for p in model.parameters() if p.grad is not None]
     return logprobs[MASK].detach(), entropy[MASK].detach(), torch.cat([g.flatten() for g in grads])
 
 
+@pytest.mark.parametrize("entropy_grad", [True, False])
+@pytest.mark.parametrize("chunk_tokens", [5, 1 << 20])
 @pytest.mark.parametrize("shared", [False, True])
 @pytest.mark.parametrize("tied", [False, True])
 def test_hidden_state_log_probs_equal_the_logits_path_values_entropies_and_gradients(
-    shared: bool, tied: bool
+    shared: bool, tied: bool, chunk_tokens: int, entropy_grad: bool, monkeypatch
 ) -> None:
+    """In one chunk and in chunks of 5 of the 19 tokens (whose backward passes recompute them
+    one at a time), with the entropy in the loss and as a metric only."""
+    monkeypatch.setattr(lp, "HEAD_CHUNK_BYTES", 4 * VOCAB * chunk_tokens)
     model = tiny_llama(tied)
     assert output_head(model) is not None  # the model is eligible: the fast path is taken
-    fast = run(model, shared)
-    oracle = logits_oracle(model, shared)
+    fast = run(model, shared, entropy_grad)
+    oracle = logits_oracle(model, shared, entropy_grad)
     for got, want in zip(fast, oracle, strict=True):
         assert got.shape == want.shape
         assert torch.allclose(got, want, rtol=1e-5, atol=1e-5), (got - want).abs().max()
     assert fast[2].abs().sum() > 0  # the gradients are real
+
+
+def test_under_bf16_autocast_chunks_give_the_logits_paths_gradients_within_bf16(monkeypatch):
+    """bf16 autocast, chunks of 3 tokens: each chunk casts the output layer's weight itself,
+    so its gradient sums the chunks in fp32 (what training under `train.dtype=bfloat16`
+    does)."""
+    monkeypatch.setattr(lp, "HEAD_CHUNK_BYTES", 4 * VOCAB * 3)
+    model = tiny_llama(False)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        fast = run(model, False, False)
+        oracle = logits_oracle(model, False, False)
+    for got, want in zip(fast, oracle, strict=True):
+        assert (got - want).norm() <= 2e-2 * want.norm()
+
+
+def test_a_batch_without_completion_tokens_still_backpropagates_zeros() -> None:
+    model = tiny_llama(False)
+    none = torch.zeros_like(MASK)
+    logprobs, _ = completion_logprobs(model, PROMPTS, completions(), none, 1.0, 0)
+    (logprobs * none).sum().backward()  # the logits path allows it; so must this one
+    assert all(p.grad is None or not p.grad.any() for p in model.parameters())
 
 
 def test_one_token_chunks_give_the_same_log_probs_as_one_chunk() -> None:
@@ -91,17 +127,20 @@ def test_one_token_chunks_give_the_same_log_probs_as_one_chunk() -> None:
     assert (small[~MASK] == 0).all()
 
 
-def largest_saved(fn) -> int:
-    """The most elements of any tensor autograd saved for the backward pass of `fn()`."""
-    sizes = [0]
+def vocabulary_sized_saved(fn, model) -> list[tuple[int, ...]]:
+    """The shapes of the tensors with a vocabulary-sized dimension that autograd saved for
+    the backward pass of `fn()`, the model's parameters left out."""
+    params = {p.data_ptr() for p in model.parameters()}
+    shapes = []
 
     def pack(tensor: torch.Tensor) -> torch.Tensor:
-        sizes.append(tensor.numel())
+        if VOCAB in tensor.shape and tensor.data_ptr() not in params:
+            shapes.append(tuple(tensor.shape))
         return tensor
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         fn()
-    return max(sizes)
+    return shapes
 
 
 def test_no_tokens_by_vocabulary_matrix_is_kept_for_the_backward_pass() -> None:
@@ -117,15 +156,13 @@ def test_no_tokens_by_vocabulary_matrix_is_kept_for_the_backward_pass() -> None:
         logprobs, _ = completion_logprobs(model, PROMPTS, ids, MASK, 1.0, 0)
         (logprobs * MASK).sum().backward()
 
-    weights = max(p.numel() for p in model.parameters())
-    fast = largest_saved(loss)
-    assert fast <= max(weights, MASK.numel() * 32)  # weights and [B, T, H] hidden states only
-    assert fast < full
+    assert vocabulary_sized_saved(loss, model) == []
     lp._HEADS[model] = False
     try:
-        assert largest_saved(loss) >= full
+        kept = vocabulary_sized_saved(loss, model)
     finally:
         del lp._HEADS[model]
+    assert max(math.prod(shape) for shape in kept) >= full
 
 
 class ScaledLlama(LlamaForCausalLM):

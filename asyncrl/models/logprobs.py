@@ -157,17 +157,34 @@ def output_head(model: PreTrainedModel) -> tuple[torch.nn.Module, torch.nn.Linea
         not isinstance(head, torch.nn.Linear)
         or decoder is model
         or isinstance(model, FSDPModule)
-        or any(getattr(model.config, key, None) not in (None, 1, 1.0) for key in LOGIT_TRANSFORMS)
+        or any(
+            getattr(config, key, None) not in (None, 1, 1.0)
+            for config in (model.config, model.config.get_text_config())
+            for key in LOGIT_TRANSFORMS
+        )
     ):
         return None
     if model not in _HEADS:
-        device = model_device(model)
-        ids = torch.tensor([[0, 1, 2]], device=device) % head.out_features
-        with torch.no_grad(), torch.autocast(device.type, enabled=False):
+        _HEADS[model] = _same_logits(model, decoder, head)
+    return (decoder, head) if _HEADS[model] else None
+
+
+def _same_logits(model: PreTrainedModel, decoder: torch.nn.Module, head: torch.nn.Linear) -> bool:
+    """Whether the model's logits equal `head(decoder(...))` on a three-token input: in eval
+    mode (no dropout), fp32, and under a forked RNG (a resumed run draws what the uninterrupted
+    one does)."""
+    device = model_device(model)
+    ids = torch.tensor([[0, 1, 2]], device=device) % head.out_features
+    training = model.training
+    model.eval()
+    try:
+        forked = torch.random.fork_rng(devices=[device] if device.type == "cuda" else [])
+        with forked, torch.no_grad(), torch.autocast(device.type, enabled=False):
             full = model(input_ids=ids, use_cache=False).logits
             split = head(decoder(input_ids=ids, use_cache=False).last_hidden_state)
-        _HEADS[model] = full.shape == split.shape and torch.allclose(full, split, 1e-4, 1e-5)
-    return (decoder, head) if _HEADS[model] else None
+    finally:
+        model.train(training)
+    return full.shape == split.shape and torch.allclose(full, split, 1e-4, 1e-5)
 
 
 HEAD_CHUNK_BYTES = 64 << 20
@@ -183,19 +200,27 @@ def head_logprobs(
     temperature: float,
     with_entropy: bool = False,
     entropy_grad: bool = False,
-    budget_bytes: int = HEAD_CHUNK_BYTES,
+    budget_bytes: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """`chosen_logprobs(head(hidden), ...)` at the masked positions (0 elsewhere), the output
-    layer applied to a chunk of tokens at a time. With gradients on, each chunk is
-    checkpointed: its logits and log-softmax are freed after the forward and recomputed, one
-    chunk at a time, in the backward pass, so no [B, T, V] matrix ever exists, in any dtype
-    (what Liger's fused linear cross-entropy does, in plain PyTorch)."""
+    layer applied to `budget_bytes` (default `HEAD_CHUNK_BYTES`) of tokens at a time. With
+    gradients on, each chunk is checkpointed: its logits and log-softmax are freed after the
+    forward and recomputed, one chunk at a time, in the backward pass, so no [B, T, V] matrix
+    ever exists, in any dtype (what Liger's fused linear cross-entropy does, in plain PyTorch).
+    Under autocast each chunk casts the output layer's weight itself (no autocast cache), so
+    the chunks' weight gradients are summed in the weight's own dtype, not in bf16."""
     picked, targets = hidden[mask], tokens[mask]  # [N, H], [N]
-    per = max(1, budget_bytes // (4 * head.out_features))
+    budget = HEAD_CHUNK_BYTES if budget_bytes is None else budget_bytes
+    per = max(1, budget // (4 * head.out_features))
     grad = torch.is_grad_enabled()
+    device = hidden.device.type
+    autocast = torch.is_autocast_enabled(device)
+    dtype = torch.get_autocast_dtype(device)
 
     def chunk(h: torch.Tensor, t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        logprobs = torch.log_softmax(head(h).float() / temperature, dim=-1)
+        with torch.autocast(device, dtype=dtype, enabled=autocast, cache_enabled=False):
+            logits = head(h)
+        logprobs = torch.log_softmax(logits.float() / temperature, dim=-1)
         chosen = logprobs.gather(-1, t.unsqueeze(-1)).squeeze(-1)
         if not with_entropy:
             return chosen, chosen.new_zeros(())
@@ -203,12 +228,14 @@ def head_logprobs(
             return chosen, -(logprobs.exp() * logprobs).sum(-1)
 
     chosen, entropies = [], []
-    for start in range(0, picked.shape[0], per):
-        h, t = picked[start : start + per], targets[start : start + per]
+    for h, t in zip(picked.split(per), targets.split(per), strict=True):  # one [N, H] grad
         c, e = checkpoint(chunk, h, t, use_reentrant=False) if grad else chunk(h, t)
         chosen.append(c)
         entropies.append(e)
+    # no token at all: zeros that still carry a (zero) gradient, as the logits path's do
     zeros = torch.zeros(tokens.shape, dtype=torch.float32, device=hidden.device)
+    if not chosen:
+        zeros = zeros + 0 * hidden.sum()
     logprobs = zeros.masked_scatter(mask, torch.cat(chosen)) if chosen else zeros
     if not with_entropy:
         return logprobs, None
