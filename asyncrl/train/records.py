@@ -174,6 +174,15 @@ def latest_records(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
 _UNIX_OFFSET_S = time.time() - time.perf_counter()
 
 
+def wall_before(run_dir: Path, step: int) -> float:
+    """Wall seconds a run had spent before `step`, so that `wall_s` keeps counting across
+    attempts: the `wall_s` of the last step record before it in `metrics.jsonl` (0 at step 0)."""
+    if not step:
+        return 0.0
+    walls = {r["step"]: r["wall_s"] for r in iter_jsonl(run_dir / "metrics.jsonl")}
+    return max((w for t, w in walls.items() if t < step), default=0.0)
+
+
 def unix_time(perf_s: float) -> float:
     """The wall-clock time of a `time.perf_counter()` reading, through one offset fixed per
     process: spans of one launch keep perf_counter's exact order (no jitter from reading two

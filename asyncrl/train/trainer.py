@@ -57,11 +57,11 @@ from asyncrl.train.ranks import (
 from asyncrl.train.records import (
     RunLogs,
     generation_span,
-    iter_jsonl,
     plan_fields,
     resume_line,
     step_record,
     unix_time,
+    wall_before,
 )
 from asyncrl.train.rundir import (
     SCRATCH_DIR,
@@ -281,11 +281,12 @@ class Trainer:
             dynamic_ncols=True,
             mininterval=0.5,
         )
-        self._start_s = time.perf_counter() - self._wall_offset()
+        wall = self._wall_s if self._wall_s is not None else wall_before(self.run_dir, self.step)
+        self._start_s = time.perf_counter() - wall
         self.parts.collector.start()
         try:
             if self.step == 0:
-                self._evaluate_initial_weights()
+                self._evaluate(0)
             while self.step < self.config.run.max_num_steps:
                 record = self.train_step()
                 if "eval/reward_mean" in record:
@@ -311,14 +312,6 @@ class Trainer:
             self.parts.stop_generation()  # after the emergency checkpoint: waits out one batch
             progress.close()
         self.finish()
-
-    def _wall_offset(self) -> float:
-        """Wall seconds the run had spent up to the resumed step, so `wall_s` keeps counting
-        across attempts: the checkpoint's (the last step record's `wall_s` before it)."""
-        if self._wall_s is not None or not self.step:
-            return self._wall_s or 0.0
-        walls = {r["step"]: r["wall_s"] for r in iter_jsonl(self.run_dir / "metrics.jsonl")}
-        return max((w for t, w in walls.items() if t < self.step), default=0.0)
 
     def _on_preempted(self, stop: Preempted) -> None:
         """The emergency checkpoint, first: the cut needs no pause of generation, and a
@@ -386,25 +379,21 @@ class Trainer:
 
     def _evaluate(self, version: int) -> dict[str, float]:
         """`eval/...` metrics of weights `version` when the evaluation is due for it (also an
-        `eval` event), else nothing. Generation goes on meanwhile; the trainer waits."""
+        `eval` event), else nothing; version 0, the initial weights, with `eval.at_start`.
+        Generation goes on meanwhile; the trainer waits."""
         evaluator = self.parts.evaluator
-        if evaluator is None or not evaluator.due(version):
+        if evaluator is None or not (
+            evaluator.due(version) if version else self.config.eval.at_start
+        ):
             return {}
         if self.stop.requested:  # a preempted machine's grace period is for the checkpoint
             self.logs.events.emit("eval_skipped", version=version, reason="stop requested")
             return {}
         metrics = evaluator.evaluate(version, self._full_weights())
         self.logs.events.emit("eval", step=version - 1, version=version, **metrics)
+        if not version:
+            tqdm.write(eval_line({"step": -1, **metrics}), file=sys.stderr)
         return metrics
-
-    def _evaluate_initial_weights(self) -> None:
-        """`eval.at_start`: the initial weights' evaluation (version 0), as an `eval` event."""
-        evaluator = self.parts.evaluator
-        if evaluator is None or not self.config.eval.at_start:
-            return
-        metrics = evaluator.evaluate(0, self._full_weights())
-        self.logs.events.emit("eval", step=-1, version=0, **metrics)
-        tqdm.write(eval_line({"step": -1, **metrics}), file=sys.stderr)
 
     def checkpoint(self, wait: bool = False) -> None:
         """Stages the current step's state and hands it to the background writer, which
