@@ -106,18 +106,33 @@ def problems(count: int, seed: int = 0) -> Iterator[tuple[str, int, int]]:
             yield question, answer, steps
 
 
+INSTRUCTION = (
+    "Solve the problem in one or two short sentences and end with the answer in \\boxed{}, "
+    "for example: 3 + 4 = 7, so the answer is \\boxed{7}."
+)
+"""Appended to each question in the user's turn. Measured on the first 32 held-out problems,
+greedy, 80 new tokens, the initial SmolLM2-135M-Instruct (2026-12-02): as a system prompt
+without the example, 3.1% right and 0% in one `\\boxed{}`; as a system prompt with it, 3.1%
+and 0%; in the user's turn, 9.4% and 28%: the format bonus is then within reach."""
+
+
 def chat_row(question: str, answer: int, steps: int) -> dict[str, Any]:
     return {
-        "messages": [{"role": "user", "content": question}],
+        "messages": [{"role": "user", "content": f"{question}\n{INSTRUCTION}"}],
         "answer": str(answer),
         "steps": steps,
     }
 
 
 def prepare(
-    out: str | Path, train_rows: int = 4096, test_rows: int = 256, seed: int = 0
+    out: str | Path,
+    train_rows: int = 4096,
+    test_rows: int = 256,
+    seed: int = 0,
+    with_model: bool = True,
 ) -> dict[str, Path]:
-    """Writes the example's files into `out` (kept if already there); returns their paths."""
+    """Writes the example's files into `out` (kept if already there), the model only
+    `with_model`; returns their paths."""
     import datasets
 
     from asyncrl.models.prepare import prepare_model
@@ -128,10 +143,20 @@ def prepare(
     paths = {"train": out / "train.parquet", "test": out / "test.parquet", "model": out / "model"}
     rows = [chat_row(*p) for p in problems(train_rows + test_rows, seed)]
     for split, part in (("test", rows[:test_rows]), ("train", rows[test_rows:])):
-        if not paths[split].exists():
+        if not _holds(paths[split], part):
             datasets.Dataset.from_list(part).to_parquet(str(paths[split]))
-    prepare_model("smollm2-135m-instruct", paths["model"])
+    if with_model:
+        prepare_model("smollm2-135m-instruct", paths["model"])
     return paths
+
+
+def _holds(path: Path, rows: list[dict[str, Any]]) -> bool:
+    """Whether the file exists with these rows (an older version's file is rewritten)."""
+    if not path.exists():
+        return False
+    import pyarrow.parquet as pq
+
+    return bool(pq.read_table(path).to_pylist() == rows)
 
 
 def main(argv: list[str] | None = None) -> None:
