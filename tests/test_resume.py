@@ -194,8 +194,8 @@ def test_a_resume_reads_no_record_file_for_its_attempt_and_wall_clock(tmp_path, 
     wall-clock offset): it used to read events.jsonl and metrics.jsonl whole every time."""
     import json
 
+    import asyncrl.train.records as records_module
     import asyncrl.train.rundir as rundir_module
-    import asyncrl.train.trainer as trainer_module
 
     run = tmp_path / "run"
     train(small_config("run.max_num_steps=2"), run)
@@ -205,7 +205,7 @@ def test_a_resume_reads_no_record_file_for_its_attempt_and_wall_clock(tmp_path, 
         raise AssertionError(f"read {path}")
 
     monkeypatch.setattr(rundir_module, "iter_jsonl", no_reading)
-    monkeypatch.setattr(trainer_module, "iter_jsonl", no_reading)
+    monkeypatch.setattr(records_module, "iter_jsonl", no_reading)
     train(small_config("run.max_num_steps=4"), run)
     records = {r["step"]: r for r in read_records(run / "metrics.jsonl")}
     assert records[2]["attempt"] == 1 and records[2]["wall_s"] > records[1]["wall_s"]

@@ -54,8 +54,9 @@ class DataConfig:
     returning a float or a dict of named floats (each logged as `reward/NAME`; the reward is
     its `reward` entry, else their sum). Empty: `partial_match`."""
     format_reward: float = 0.0
-    """For `reward_fn=math`: the weight of a format bonus, 1 when the completion puts its
-    answer in `\\boxed{}` (components `reward/correct` and `reward/format` are logged)."""
+    """For `reward_fn=math`: the weight of a format bonus, 1 when the completion has exactly one
+    `\\boxed{}` and something in it (components `reward/correct` and `reward/format` are
+    logged)."""
     num_digits: int = 5
     """For `sort_digits`: digits per prompt."""
     num_examples: int = 4096
