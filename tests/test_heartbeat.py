@@ -7,6 +7,7 @@ from __future__ import annotations
 import threading
 import time
 
+import pytest
 import torch.distributed as dist
 
 from asyncrl.distributed.heartbeat import Heartbeat, Liveness, describe
@@ -66,9 +67,8 @@ class StuckStore:
         return self.store.add(key, value)
 
 
+@pytest.mark.slow  # 5.3 s of real time: over the fast tier's 5 s budget
 def test_over_a_real_store_a_rank_that_stops_beating_is_reported_once():
-    # a 5 s timeout: with 2 s this failed once in the fast tier on 2026-12-02 and passed on
-    # every rerun (the failing line was not kept; a stall of the test process is likely)
     store = dist.HashStore()
     reports: list[list[tuple[int, float]]] = []
     fired = threading.Event()
@@ -77,14 +77,14 @@ def test_over_a_real_store_a_rank_that_stops_beating_is_reported_once():
         reports.append(silent)
         fired.set()
 
-    watcher = Heartbeat(store, 0, (1,), timeout_s=5.0, on_silent=on_silent)
-    beating = Heartbeat(store, 1, (), timeout_s=5.0, on_silent=on_silent)
-    time.sleep(7.5)  # a timeout and a half of beats: nobody is silent
+    watcher = Heartbeat(store, 0, (1,), timeout_s=2.0, on_silent=on_silent)
+    beating = Heartbeat(store, 1, (), timeout_s=2.0, on_silent=on_silent)
+    time.sleep(3.0)  # a timeout and a half of beats: nobody is silent
     assert not fired.is_set()
     stopped = time.monotonic()
     beating.stop()
     assert fired.wait(30), "the silent rank was never reported"
-    assert time.monotonic() - stopped >= 5.0 - 2 * watcher.interval_s
+    assert time.monotonic() - stopped >= 2.0 - watcher.interval_s
     time.sleep(0.3)
     assert len(reports) == 1 and reports[0][0][0] == 1
     watcher.stop()
