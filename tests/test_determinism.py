@@ -282,3 +282,48 @@ def test_killed_mid_chunk_and_resumed_from_partial_samples_is_bitwise_the_uninte
             )
             starts = span_token_starts(first)[first["ordinals"].index(int(k))]
             assert starts == saved["lengths"]
+
+
+LORA = ("model.lora.rank=4", "model.lora.alpha=8", "algo.kl_coef=0.05", "algo.lr=3e-3")
+"""LoRA adapters (peft) with a KL penalty to the base (the adapters switched off)."""
+
+
+@pytest.fixture(scope="module")
+def lora_reference(tmp_path_factory, request) -> tuple[list[tuple], str]:
+    return uninterrupted(tmp_path_factory, request, LORA)
+
+
+def test_lora_killed_mid_checkpoint_and_after_an_update_is_bitwise_the_uninterrupted_run(
+    tmp_path, repo_root, lora_reference
+):
+    run = tmp_path / "run"
+    run_to_kill(run, repo_root, "checkpoint.file_written[step=6]", LORA)
+    run_to_kill(run, repo_root, "train.weights_published[step=10]", LORA)
+    assert finish(run, repo_root, extra=LORA) == 0
+    assert {r["attempt"] for r in read_records(run / "metrics.jsonl")} == {0, 1, 2}
+    assert fingerprint(run) == lora_reference
+    assert audit_run_dir(run).ok
+
+
+def test_a_lora_resume_that_skips_restoring_the_adapters_is_caught(
+    tmp_path, repo_root, lora_reference
+):
+    run = tmp_path / "run"
+    run_to_kill(run, repo_root, "checkpoint.parent_fsynced[step=6]", LORA)
+    assert finish(run, repo_root, skip="model", extra=LORA) == 0
+    assert fingerprint(run) != lora_reference
+
+
+def test_lora_ppo_killed_mid_epoch_is_bitwise_the_uninterrupted_run_and_its_critic_counts(
+    tmp_path_factory, tmp_path, repo_root, request
+):
+    extra = (*LORA, *PPO)
+    reference = uninterrupted(tmp_path_factory, request, extra)
+    run = tmp_path / "run"
+    run_to_kill(run, repo_root, "train.weights_published[step=10]", extra)
+    assert finish(run, repo_root, extra=extra) == 0
+    assert fingerprint(run) == reference
+    skipped = tmp_path / "skipped"
+    run_to_kill(skipped, repo_root, "train.weights_published[step=10]", extra)
+    assert finish(skipped, repo_root, skip="critic", extra=extra) == 0
+    assert fingerprint(skipped) != reference

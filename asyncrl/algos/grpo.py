@@ -43,6 +43,7 @@ from asyncrl.core.losses import (
 )
 from asyncrl.core.types import Group
 from asyncrl.models.device import autocast, model_device
+from asyncrl.models.lora import is_lora, merged_weights, trainable_parameters
 
 if TYPE_CHECKING:
     from asyncrl.config import Config
@@ -65,7 +66,7 @@ class GRPO:
         self.shared_prompts = config.train.shared_prompts
         # built before any checkpoint is loaded: a copy of the policy's initial weights
         self.reference = (
-            ReferencePolicy(policy.model, self.shared_prompts) if config.algo.kl_coef > 0 else None
+            ReferencePolicy(policy, self.shared_prompts) if config.algo.kl_coef > 0 else None
         )
         self.loss_fn = ClippedPolicyLoss(clip_eps=config.algo.clip_eps)
         self._entropy_coef = config.algo.entropy_coef  # the step's: `entropy_coef(advantages)`
@@ -73,7 +74,7 @@ class GRPO:
         ranks.shard(self.model)  # after the reference copied the full initial weights
         if self.reference is not None:
             ranks.shard(self.reference.model)
-        self.optimizer = adamw(self.model.parameters(), config.algo.lr, config.algo)
+        self.optimizer = adamw(trainable_parameters(self.model), config.algo.lr, config.algo)
         self.schedule = StepSchedule(self.optimizer, config.algo, config.run.max_num_steps)
 
     def advantages(self, rewards: torch.Tensor) -> torch.Tensor:
@@ -218,7 +219,11 @@ class GRPO:
         return loss, logprobs, {**loss_stats, **is_stats, **extra}
 
     def policy_weights(self) -> dict[str, torch.Tensor]:
-        return self.ranks.full_weights(self.model)
+        return (
+            merged_weights(self.model)
+            if is_lora(self.model)
+            else self.ranks.full_weights(self.model)
+        )
 
     def state_dict(self) -> dict[str, Any]:
         return policy_state(self.name, self.optimizer, self.schedule, self.reference)

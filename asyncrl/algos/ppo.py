@@ -56,6 +56,14 @@ from asyncrl.core.losses import (
 from asyncrl.core.types import Group
 from asyncrl.models.critic import build_critic, completion_values
 from asyncrl.models.device import autocast, model_device, place
+from asyncrl.models.lora import (
+    is_lora,
+    load_trainable_state,
+    merged_weights,
+    trainable_parameters,
+    trainable_state,
+    wrap,
+)
 
 if TYPE_CHECKING:
     from asyncrl.config import Config
@@ -126,9 +134,12 @@ class PPO:
         # built before any checkpoint is loaded: both copy the policy's initial weights
         self.critic = build_critic(policy, config.model, config.run.seed)
         place(self.critic, self.device)
-        self.reference = (
-            ReferencePolicy(policy.model, self.shared_prompts) if algo.kl_coef > 0 else None
-        )
+        self.lora = bool(config.model.lora.rank)
+        if self.lora:  # the critic's own adapters (other draws than the policy's), its head whole
+            self.critic = wrap(  # type: ignore[assignment]
+                self.critic, config.model.lora, config.run.seed + 1, modules_to_save=["score"]
+            )
+        self.reference = ReferencePolicy(policy, self.shared_prompts) if algo.kl_coef > 0 else None
         self.config = algo
         self.options = opt
         self.temperature = config.rollout.temperature
@@ -141,21 +152,25 @@ class PPO:
         ranks.shard(self.critic)
         if self.reference is not None:
             ranks.shard(self.reference.model)
-        self.optimizer = adamw(self.model.parameters(), algo.lr, algo)
-        self.critic_optimizer = adamw(self.critic.parameters(), opt.critic_lr, algo)
+        self.optimizer = adamw(trainable_parameters(self.model), algo.lr, algo)
+        self.critic_optimizer = adamw(trainable_parameters(self.critic), opt.critic_lr, algo)
         # the critic's lr follows algo.lr_schedule too, from critic_lr
         self.schedule = StepSchedule(self.optimizer, algo, config.run.max_num_steps)
         self.critic_schedule = StepSchedule(self.critic_optimizer, algo, config.run.max_num_steps)
 
     def policy_weights(self) -> dict[str, torch.Tensor]:
-        return self.ranks.full_weights(self.model)
+        return (
+            merged_weights(self.model)
+            if is_lora(self.model)
+            else self.ranks.full_weights(self.model)
+        )
 
     def state_dict(self) -> dict[str, Any]:
         """The policy optimizer and lr schedule, the critic, its optimizer and lr schedule, and
         the reference's hash."""
         return {
             **policy_state(self.name, self.optimizer, self.schedule, self.reference),
-            "critic": self.critic.state_dict(),
+            "critic": trainable_state(self.critic) if self.lora else self.critic.state_dict(),
             "critic_optimizer": self.critic_optimizer.state_dict(),
             "critic_lr_scheduler": self.critic_schedule.state_dict(),
         }
@@ -167,7 +182,10 @@ class PPO:
                 f"{state.get('name')!r}); algo.name cannot change on resume"
             )
         load_policy_state(state, self.name, self.optimizer, self.schedule, self.reference)
-        self.critic.load_state_dict(state["critic"])
+        if self.lora:
+            load_trainable_state(self.critic, state["critic"], "critic")
+        else:
+            self.critic.load_state_dict(state["critic"])
         self.critic_optimizer.load_state_dict(state["critic_optimizer"])
         self.critic_schedule.load_state_dict(state.get("critic_lr_scheduler"))
 

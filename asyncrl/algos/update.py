@@ -3,11 +3,12 @@ optimizer update, the KL penalty and entropy bonus, and the frozen reference pol
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import hashlib
 import math
 from collections.abc import Iterable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from transformers import PreTrainedModel
@@ -16,6 +17,10 @@ from asyncrl.config import AlgoConfig
 from asyncrl.core.losses import kl_estimate, masked_mean, masked_sum, normalise
 from asyncrl.core.types import Group
 from asyncrl.models.logprobs import completion_logprobs
+from asyncrl.models.lora import is_lora
+
+if TYPE_CHECKING:
+    from asyncrl.models.policy import Policy
 
 
 class NonFiniteLoss(RuntimeError):
@@ -248,28 +253,40 @@ def weights_sha256(model: torch.nn.Module) -> str:
 
 
 class ReferencePolicy:
-    """The frozen policy the KL penalty pulls towards: a copy of the policy's *initial* weights.
+    """The frozen policy the KL penalty pulls towards: a copy of the policy's *initial* weights,
+    or, with LoRA adapters, the policy itself with its adapters switched off (the frozen base:
+    no copy).
 
     It is not checkpointed: every launch rebuilds the policy from its config (the preset and
     `run.seed`, or `model.path`) before loading a checkpoint, so this copy is the same each
     time. `sha256` lets a resume prove it (a `model.path` whose files changed would not be)."""
 
-    def __init__(self, initial_policy: PreTrainedModel, shared_prompts: bool = False) -> None:
+    def __init__(self, initial_policy: Policy, shared_prompts: bool = False) -> None:
         self.shared_prompts = shared_prompts
-        self.model = copy.deepcopy(initial_policy)
-        self.model.eval()
-        self.model.requires_grad_(False)
-        self.sha256 = weights_sha256(self.model)
+        self.adapters_off = is_lora(initial_policy.model)
+        if self.adapters_off:
+            self.model = initial_policy.model
+            self.sha256 = str(initial_policy.base_sha256)
+        else:
+            self.model = copy.deepcopy(initial_policy.model)
+            self.model.eval()
+            self.model.requires_grad_(False)
+            self.sha256 = weights_sha256(self.model)
 
     @torch.no_grad()
     def logprobs(self, batch: dict[str, Any], temperature: float, pad_id: int) -> torch.Tensor:
-        logprobs, _ = completion_logprobs(
-            self.model,
-            batch["prompts"],
-            batch["completion_ids"],
-            batch["completion_mask"],
-            temperature,
-            pad_id,
-            shared_prompts=self.shared_prompts,
-        )  # no entropy: the reference only needs the chosen tokens' log-probs
+        off = self.model.disable_adapter() if self.adapters_off else contextlib.nullcontext()  # type: ignore[operator]
+        training = self.model.training
+        self.model.eval()  # the shared model trains; its reference forward has no dropout
+        with off:
+            logprobs, _ = completion_logprobs(
+                self.model,
+                batch["prompts"],
+                batch["completion_ids"],
+                batch["completion_mask"],
+                temperature,
+                pad_id,
+                shared_prompts=self.shared_prompts,
+            )  # no entropy: the reference only needs the chosen tokens' log-probs
+        self.model.train(training)
         return logprobs

@@ -55,6 +55,11 @@ def build_parser() -> argparse.ArgumentParser:
     export.add_argument("run_dir", help="a run dir")
     export.add_argument("--checkpoint", metavar="step_N", help="default: the newest verified")
     export.add_argument("out", help="directory to write (new or empty)")
+    export.add_argument(
+        "--adapter",
+        action="store_true",
+        help="a LoRA run's adapters alone (PeftModel.from_pretrained), not the merged model",
+    )
     evaluate = commands.add_parser(
         "eval", help="evaluate a checkpoint (eval.* settings; data.reward_fn to import one)"
     )
@@ -178,7 +183,9 @@ def _export(args: argparse.Namespace) -> int:
     from asyncrl.cli.export import ExportError, describe, export_checkpoint
 
     try:
-        exported = export_checkpoint(Path(args.run_dir), Path(args.out), args.checkpoint)
+        exported = export_checkpoint(
+            Path(args.run_dir), Path(args.out), args.checkpoint, args.adapter
+        )
     except (ExportError, CheckpointError, ConfigError) as err:
         print(f"asyncrl: error: {err}", file=sys.stderr)
         return EXIT_BAD_INPUT

@@ -108,8 +108,9 @@ def summarize(summary: Summary, run_dir: Path) -> str:
     return "\n".join(lines)
 
 
-OPTIONAL_DIRS = ("tensorboard", "wandb", "mlruns")
-"""Run-dir folders the summary lists when the run wrote them (the trackers')."""
+OPTIONAL_DIRS = ("final_adapter", "tensorboard", "wandb", "mlruns")
+"""Run-dir folders the summary lists when the run wrote them (a LoRA run's adapters, the
+trackers')."""
 
 
 def _eval_lines(first: dict[str, Any] | None, last: dict[str, Any] | None) -> list[str]:

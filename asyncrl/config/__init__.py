@@ -2,8 +2,8 @@
 test checks), so reading, validating and documenting a config is cheap anywhere.
 
 - `base`: `ConfigError`, the resume metadata of a field, the one-line value check;
-- `sections`: one dataclass per section (`run`, `model`, `rollout`, `train`, `algo`, ...) and
-  `Config`; `data`: the `data.*` and `eval.*` sections;
+- `sections`: one dataclass per section (`run`, `rollout`, `train`, `algo`, ...) and
+  `Config`; `data`: the `data.*` and `eval.*` sections; `model`: `model.*` and `model.lora.*`;
 - `algos`: every algorithm's own keys (`Options`) and the registry of names;
 - `keys`: the flat `section.key` surface: loading YAML with overrides, resume rules, the hash,
   the generated reference.
@@ -20,12 +20,12 @@ from asyncrl.config.base import (
     ConfigError,
 )
 from asyncrl.config.data import DataConfig, EvalConfig
+from asyncrl.config.model import LoraConfig, ModelConfig
 from asyncrl.config.sections import (
     AlgoConfig,
     CheckpointConfig,
     Config,
     LoggingConfig,
-    ModelConfig,
     RayConfig,
     RolloutConfig,
     RunConfig,
@@ -46,6 +46,7 @@ __all__ = [
     "DataConfig",
     "EvalConfig",
     "LoggingConfig",
+    "LoraConfig",
     "ModelConfig",
     "RayConfig",
     "RolloutConfig",

@@ -192,6 +192,11 @@ def _coerce(key: str, value: Any, hint: Any) -> Any:
             choices = ", ".join(repr(a) for a in allowed)
             raise ConfigError(f"{key}: got {value!r}, allowed values: {choices}")
         return value
+    if origin is list:  # of str: a YAML list, or `a,b` on the command line
+        items = value.split(",") if isinstance(value, str) else value
+        if isinstance(items, list) and all(isinstance(i, str) for i in items):
+            return [i.strip() for i in items]
+        raise ConfigError(f"{key}: got {value!r}, expected a list of names (or `a,b`)")
     if hint is bool:
         if isinstance(value, bool):
             return value

@@ -12,7 +12,6 @@ from __future__ import annotations
 import dataclasses
 import re
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, Literal
 
 from asyncrl.config.algos import options_class
@@ -20,10 +19,10 @@ from asyncrl.config.base import (
     MAY_CHANGE,
     MAY_CHANGE_UNLESS_DETERMINISTIC,
     NEVER_CHANGES,
-    ConfigError,
 )
 from asyncrl.config.base import require as _require
 from asyncrl.config.data import DataConfig, EvalConfig
+from asyncrl.config.model import ModelConfig
 
 
 @dataclass
@@ -42,39 +41,6 @@ class RunConfig:
     def validate(self) -> None:
         _require(self.max_num_steps >= 1, "run.max_num_steps", self.max_num_steps, ">= 1")
         _require(self.torch_threads >= 0, "run.torch_threads", self.torch_threads, ">= 0")
-
-
-@dataclass
-class ModelConfig:
-    preset: Literal["tiny"] = field(default="tiny", metadata=NEVER_CHANGES)
-    """Built-in architecture used when `path` is empty: `tiny` is a Llama-style causal LM built
-    from a config in code, with a character tokenizer over the task's alphabet."""
-    path: str = field(default="", metadata=NEVER_CHANGES)
-    """A local Hugging Face model directory (`save_pretrained` format, with its tokenizer).
-    Empty means: build `preset` from scratch."""
-    hidden_size: int = field(default=128, metadata=NEVER_CHANGES)
-    """Width of the `tiny` preset."""
-    num_layers: int = field(default=2, metadata=NEVER_CHANGES)
-    """Transformer blocks of the `tiny` preset."""
-    num_heads: int = field(default=4, metadata=NEVER_CHANGES)
-    """Attention heads of the `tiny` preset."""
-    max_seq_len: int = field(default=64, metadata=NEVER_CHANGES)
-    """Longest prompt + completion the `tiny` preset accepts, in tokens."""
-
-    def validate(self) -> None:
-        for key in ("hidden_size", "num_layers", "num_heads", "max_seq_len"):
-            _require(getattr(self, key) >= 1, f"model.{key}", getattr(self, key), ">= 1")
-        _require(
-            self.hidden_size % self.num_heads == 0,
-            "model.hidden_size",
-            self.hidden_size,
-            f"a multiple of model.num_heads={self.num_heads}",
-        )
-        if self.path and not Path(self.path).is_dir():
-            raise ConfigError(
-                f"model.path: {self.path!r} is not a directory; give a local model directory "
-                "saved with save_pretrained, or leave it empty to build model.preset"
-            )
 
 
 def buffer_capacity(num_prompts_per_step: int, max_trajectory_age_steps: int) -> int:
@@ -451,7 +417,20 @@ class Config:
             self.algo.warmup_steps,
             f"< run.max_num_steps={self.run.max_num_steps} (the lr would never reach algo.lr)",
         )
+        if self.model.lora.rank:
+            _require(
+                self.train.num_processes == 1,
+                "train.num_processes",
+                self.train.num_processes,
+                "1 with model.lora.rank > 0 (LoRA adapters train in one process for now)",
+            )
         if self.run.deterministic:
+            _require(
+                self.model.lora.dropout == 0,
+                "model.lora.dropout",
+                self.model.lora.dropout,
+                "0 when run.deterministic=true (its random draws are not checkpointed)",
+            )
             _require(
                 self.checkpoint.resume_policy == "lossless",
                 "checkpoint.resume_policy",

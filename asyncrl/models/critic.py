@@ -18,6 +18,7 @@ from transformers import AutoConfig, AutoModelForTokenClassification, PreTrained
 
 from asyncrl.config import ConfigError, ModelConfig
 from asyncrl.models.device import model_device
+from asyncrl.models.lora import base_module, plain_state_dict
 from asyncrl.models.policy import Policy, join_completions
 
 
@@ -50,7 +51,9 @@ def build_critic(policy: Policy, config: ModelConfig, seed: int) -> PreTrainedMo
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(seed)
             critic = AutoModelForTokenClassification.from_config(critic_config)
-        critic.base_model.load_state_dict(policy.model.base_model.state_dict())
+        # the body's initial weights (a LoRA policy's base: its adapters are not the critic's)
+        body: torch.nn.Module = base_module(policy.model).base_model  # type: ignore[assignment]
+        critic.base_model.load_state_dict(plain_state_dict(body))
     with torch.no_grad():
         critic.score.weight.zero_()
         if critic.score.bias is not None:

@@ -29,6 +29,8 @@ from asyncrl.models.tokenizer import build_char_tokenizer
 class Policy:
     model: PreTrainedModel
     tokenizer: PreTrainedTokenizerBase
+    base_sha256: str | None = None
+    """With LoRA adapters (`asyncrl.models.lora.apply_lora`): the frozen base's identity."""
 
     @property
     def eos_id(self) -> int:

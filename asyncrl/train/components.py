@@ -16,6 +16,7 @@ from asyncrl.core.buffer import Buffer, ReplayBuffer
 from asyncrl.core.ledger import Ledger
 from asyncrl.core.stream import PromptStream
 from asyncrl.models.device import DTYPES, place, resolve_device
+from asyncrl.models.lora import apply_lora
 from asyncrl.models.policy import Policy, load_policy
 from asyncrl.rollout.collector import Chunk, Collector
 from asyncrl.rollout.engine import (
@@ -85,6 +86,8 @@ def build_trainer_side(
     place(policy.model, train_device)
 
     def build_algorithm() -> Algorithm:
+        # the engine and the evaluator copied the plain model: only the trainer's has adapters
+        apply_lora(policy, config.model, config.run.seed)
         # built before any checkpoint is loaded: a critic or reference copies the initial weights
         return algorithm_class(config.algo.name)(policy, config, ranks)
 

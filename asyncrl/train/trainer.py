@@ -44,6 +44,7 @@ from asyncrl.config.keys import benign_differences, config_hash
 from asyncrl.core.buffer import tokens_per_group
 from asyncrl.core.resume import ResumePlan, plan_resume
 from asyncrl.faults import cut_facts, fault_point
+from asyncrl.models.lora import check_base, checkpoint_part, save_final
 from asyncrl.rollout.collector import Chunk, GenerationFailed
 from asyncrl.rollout.evaluation import eval_line
 from asyncrl.train.components import build_components
@@ -137,7 +138,7 @@ class Trainer:
         p = self.parts
         return {
             "trainer": self,
-            "model": p.policy.model,
+            "model": checkpoint_part(p.policy.model),  # a LoRA run's: its adapters
             "algorithm": p.algo,
             "rng": self.rng,
             "stream": p.stream,
@@ -154,9 +155,11 @@ class Trainer:
             "run_id": self.run.run_id,
             "wall_s": self._wall_s,
             "eval_data": self.parts.evaluator.identity if self.parts.evaluator else None,
+            "base_sha256": self.parts.policy.base_sha256,  # None without LoRA
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        check_base(state.get("base_sha256"), self.parts.policy.base_sha256, self.config.model)
         self.step = int(state["step"])
         self.last_saved_step = self.step
         if state.get("wall_s") is not None:  # else (older checkpoints) the records are scanned
@@ -447,11 +450,9 @@ class Trainer:
     def finish(self) -> None:
         wall_s = time.perf_counter() - self._start_s
         transformers.utils.logging.disable_progress_bar()
-        model = self.parts.policy.model
-        if self.group is None:
-            model.save_pretrained(self.run_dir / "final_model")
-        else:  # the sharded model's full weights, as published after the last step
-            model.save_pretrained(self.run_dir / "final_model", state_dict=self._published)
+        # with ranks, the sharded model's full weights as published after the last step
+        published = None if self.group is None else self._published
+        save_final(self.parts.policy.model, self.run_dir / "final_model", published)
         self.parts.policy.tokenizer.save_pretrained(self.run_dir / "final_model")
         self.logs.events.emit("end", step=self.step, wall_s=wall_s)
         self.close()

@@ -1,0 +1,177 @@
+"""LoRA adapters (`model.lora.*`, peft): what trains, what is published, what is saved, and
+the reference. The runs killed and resumed are in test_determinism.py."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from helpers import DIGITS, groups_of, small_config, train_and_report
+from peft import PeftModel
+from safetensors.torch import load_file
+from transformers import AutoModelForCausalLM, LlamaForCausalLM
+
+from asyncrl.checkpoint.store import CheckpointError
+from asyncrl.cli.export import ExportError, export_checkpoint
+from asyncrl.config import ConfigError
+from asyncrl.config.keys import build_config
+from asyncrl.models.lora import (
+    AdapterWeights,
+    apply_lora,
+    is_lora,
+    merged_weights,
+    plain_state_dict,
+    trainable_state,
+)
+from asyncrl.models.policy import load_policy
+from asyncrl.train.components import build_components
+
+LORA = ("model.lora.rank=4", "model.lora.alpha=8")
+
+
+def lora_policy(*overrides: str, seed: int = 0):
+    config = small_config(*LORA, *overrides)
+    policy = load_policy(config.model, seed, DIGITS)
+    base = {k: v.clone() for k, v in policy.model.state_dict().items()}
+    apply_lora(policy, config.model, seed)
+    return policy, base, config
+
+
+def logits(model: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
+    with torch.no_grad():
+        return model(input_ids=ids).logits
+
+
+def test_the_keys_are_checked_naming_them():
+    for item, key in [
+        ("model.lora.rank=-1", "model.lora.rank"),
+        ("model.lora.alpha=0", "model.lora.alpha"),
+        ("model.lora.dropout=1.0", "model.lora.dropout"),
+        ("model.lora.target_modules=", "model.lora.target_modules"),
+    ]:
+        with pytest.raises(ConfigError, match=key):
+            build_config({}, [item])
+    with pytest.raises(ConfigError, match=r"train\.num_processes"):
+        build_config({}, ["model.lora.rank=8", "train.num_processes=2"])
+    with pytest.raises(ConfigError, match=r"model\.lora\.dropout"):
+        build_config({}, ["model.lora.dropout=0.1", "run.deterministic=true"])
+    config = build_config({}, ["model.lora.target_modules=q_proj, v_proj"])
+    assert config.model.lora.target_modules == ["q_proj", "v_proj"]
+    from_yaml = build_config({"model": {"lora": {"rank": 2, "target_modules": ["q_proj"]}}})
+    assert from_yaml.model.lora.target_modules == ["q_proj"]
+
+
+def test_a_new_adapter_computes_the_base_and_the_merged_weights_compute_the_adapted_model():
+    policy, base, _ = lora_policy()
+    model = policy.model
+    assert is_lora(model)
+    ids = torch.tensor([[1, 2, 3, 4, 5]])
+    plain = LlamaForCausalLM(model.get_base_model().config)
+    plain.load_state_dict(base)
+    assert torch.equal(logits(model, ids), logits(plain, ids))  # B starts at zero
+    assert {k: torch.equal(v, base[k]) for k, v in plain_state_dict(model).items()} == {
+        k: True for k in base
+    }
+    with torch.no_grad():  # a trained adapter
+        for name, param in model.named_parameters():
+            if "lora_B" in name:
+                param.normal_(0, 0.05)
+    merged = LlamaForCausalLM(model.get_base_model().config)
+    merged.load_state_dict(merged_weights(model))
+    adapted = logits(model, ids)
+    assert torch.allclose(logits(merged, ids), adapted, atol=1e-5)
+    assert not torch.allclose(logits(plain, ids), adapted, atol=1e-3)  # the adapter matters
+    with model.disable_adapter():  # the KL reference: the base, exactly
+        assert torch.equal(logits(model, ids), logits(plain, ids))
+
+
+def test_the_adapters_are_a_function_of_the_seed():
+    a, _, _ = lora_policy()
+    b, _, _ = lora_policy()
+    c, _, _ = lora_policy(seed=1)
+    sa, sb = trainable_state(a.model), trainable_state(b.model)
+    assert sa and all(torch.equal(sa[k], sb[k]) for k in sa)
+    assert a.base_sha256 == b.base_sha256 != c.base_sha256
+    assert not torch.equal(sa[min(sa)], trainable_state(c.model)[min(sa)])
+
+
+def test_only_the_adapters_train_and_the_reference_is_the_base_with_them_off(tmp_path):
+    config = small_config(*LORA, "algo.kl_coef=0.1", "algo.lr=1e-2")
+    parts = build_components(config)
+    try:
+        model, algo = parts.policy.model, parts.algo
+        base = {k: v.clone() for k, v in plain_state_dict(model).items()}
+        adapters = {k: v.clone() for k, v in trainable_state(model).items()}
+        stepped = [p for group in algo.optimizer.param_groups for p in group["params"]]
+        assert {id(p) for p in stepped} == {id(p) for p in model.parameters() if p.requires_grad}
+        assert sum(p.numel() for p in stepped) == sum(t.numel() for t in adapters.values())
+        assert sum(p.numel() for p in stepped) < 0.2 * sum(p.numel() for p in model.parameters())
+        assert algo.reference.model is model  # no copy
+        assert algo.reference.sha256 == parts.policy.base_sha256
+        groups = groups_of(parts)
+        before = algo.reference.logprobs(batch_of(groups, algo), 1.0, parts.policy.pad_id)
+        metrics = algo.step(groups, 0)
+        assert metrics["kl_ref"] == pytest.approx(0.0, abs=1e-6)  # the first step: adapter == 0
+        after = trainable_state(model)
+        assert any(not torch.equal(after[k], adapters[k]) for k in adapters)
+        assert all(torch.equal(v, base[k]) for k, v in plain_state_dict(model).items())
+        ref = algo.reference.logprobs(batch_of(groups, algo), 1.0, parts.policy.pad_id)
+        assert torch.equal(ref, before)  # the base did not move
+        published = algo.policy_weights()
+        assert set(published) == set(base)  # the base model's own names
+        assert any(not torch.equal(published[k], base[k]) for k in base)
+        assert AdapterWeights(model).state_dict().keys() == adapters.keys()
+    finally:
+        parts.stop_generation()
+        parts.shutdown()
+
+
+def batch_of(groups, algo):
+    from asyncrl.algos.update import stack_groups, to_device
+
+    return to_device(stack_groups(groups, algo.pad_id), algo.device)
+
+
+def test_a_lora_run_saves_adapters_and_exports_the_merged_model_and_the_adapter(tmp_path):
+    run = tmp_path / "run"
+    config = small_config(*LORA, "checkpoint.save_period=3")
+    report = train_and_report(config, run)
+    assert "final_adapter/" in report
+    saved = load_file(run / "checkpoints/step_000006/model.safetensors")
+    assert saved and all("lora_" in name for name in saved)  # the adapters alone
+    final = AutoModelForCausalLM.from_pretrained(run / "final_model")
+    initial = load_policy(config.model, config.run.seed, DIGITS).model
+    ids = torch.tensor([[1, 2, 3, 4, 5]])
+    assert not torch.allclose(logits(final, ids), logits(initial, ids), atol=1e-4)
+    adapter = PeftModel.from_pretrained(initial, run / "final_adapter")
+    assert torch.allclose(logits(adapter, ids), logits(final, ids), atol=1e-5)
+    exported = export_checkpoint(run, tmp_path / "merged")
+    merged = AutoModelForCausalLM.from_pretrained(exported.out)
+    assert torch.allclose(logits(merged, ids), logits(final, ids), atol=1e-6)
+    alone = export_checkpoint(run, tmp_path / "adapter", adapter=True)
+    assert {"adapter_config.json", "adapter_model.safetensors"} <= {n for n, _ in alone.files}
+    base = load_policy(config.model, config.run.seed, DIGITS).model
+    reloaded = PeftModel.from_pretrained(base, alone.out)
+    assert torch.allclose(logits(reloaded, ids), logits(final, ids), atol=1e-5)
+
+
+def test_export_adapter_of_a_full_run_is_refused(tmp_path):
+    run = tmp_path / "run"
+    train_and_report(small_config("run.max_num_steps=2", "checkpoint.save_period=2"), run)
+    with pytest.raises(ExportError, match=r"model\.lora\.rank=0"):
+        export_checkpoint(run, tmp_path / "out", adapter=True)
+
+
+def test_a_resume_on_another_base_is_refused_naming_model_path(tmp_path):
+    policy = load_policy(small_config().model, 0, DIGITS)
+    base = tmp_path / "base"
+    policy.model.save_pretrained(base)
+    policy.tokenizer.save_pretrained(base)
+    run = tmp_path / "run"
+    config = small_config(*LORA, f"model.path={base}", "checkpoint.save_period=3")
+    train_and_report(config, run)
+    with torch.no_grad():
+        policy.model.model.embed_tokens.weight.add_(0.01)
+    policy.model.save_pretrained(base)  # the files under model.path changed
+    longer = small_config(*LORA, f"model.path={base}", "run.max_num_steps=9")
+    with pytest.raises(CheckpointError, match=r"model\.path"):
+        train_and_report(longer, run)
