@@ -26,7 +26,7 @@ FROZEN_CONFIG_KEYS = [
     "run.seed", "run.max_num_steps", "run.deterministic", "run.torch_threads",
     "model.preset", "model.path", "model.hidden_size", "model.num_layers", "model.num_heads",
     "model.max_seq_len", "model.lora.rank", "model.lora.alpha", "model.lora.dropout",
-    "model.lora.target_modules",
+    "model.lora.target_modules", "model.lora.merge_for_generation",
     "data.task", "data.path", "data.split", "data.revision", "data.prompt_key", "data.messages_key",
     "data.answer_key", "data.system_prompt", "data.apply_chat_template", "data.reward_fn",
     "data.format_reward", "data.num_digits", "data.num_examples",

@@ -11,18 +11,21 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, LlamaForCausalLM
 
 from asyncrl.checkpoint.store import CheckpointError
+from asyncrl.cli.audit import audit_run_dir
 from asyncrl.cli.export import ExportError, export_checkpoint
 from asyncrl.config import ConfigError
 from asyncrl.config.keys import build_config
 from asyncrl.models.lora import (
     AdapterWeights,
     apply_lora,
+    generation_weights,
     is_lora,
     merged_weights,
     plain_state_dict,
     trainable_state,
 )
 from asyncrl.models.policy import load_policy
+from asyncrl.rollout.weight_sync import CopyWeightSync
 from asyncrl.train.components import build_components
 
 LORA = ("model.lora.rank=4", "model.lora.alpha=8")
@@ -116,9 +119,14 @@ def test_only_the_adapters_train_and_the_reference_is_the_base_with_them_off(tmp
         assert all(torch.equal(v, base[k]) for k, v in plain_state_dict(model).items())
         ref = algo.reference.logprobs(batch_of(groups, algo), 1.0, parts.policy.pad_id)
         assert torch.equal(ref, before)  # the base did not move
+        # the torch engine in this process runs the adapters on the trainer's own base
         published = algo.policy_weights()
-        assert set(published) == set(base)  # the base model's own names
-        assert any(not torch.equal(published[k], base[k]) for k in base)
+        frozen = {n: p for n, p in model.named_parameters() if not p.requires_grad}
+        assert frozen and all(published[n] is p for n, p in frozen.items())
+        assert all(torch.equal(published[n], after[n]) for n in after)
+        merged = generation_weights(model, merged=True)  # what vLLM and Ray workers load
+        assert set(merged) == set(base)  # the base model's own names
+        assert any(not torch.equal(merged[k], base[k]) for k in base)
         assert AdapterWeights(model).state_dict().keys() == adapters.keys()
     finally:
         parts.stop_generation()
@@ -175,3 +183,62 @@ def test_a_resume_on_another_base_is_refused_naming_model_path(tmp_path):
     longer = small_config(*LORA, f"model.path={base}", "run.max_num_steps=9")
     with pytest.raises(CheckpointError, match=r"model\.path"):
         train_and_report(longer, run)
+
+
+def test_the_engine_runs_the_adapters_on_the_trainers_base_and_computes_the_merged_model():
+    config = small_config(*LORA, "algo.lr=1e-2")
+    parts = build_components(config)
+    try:
+        model, algo = parts.policy.model, parts.algo
+        algo.step(groups_of(parts), 0)
+        parts.weights.publish(1, algo.policy_weights())
+        engine = parts.engine
+        engine._load(1)
+        mine = dict(engine._model.named_parameters())
+        theirs = dict(model.named_parameters())
+        for name, param in theirs.items():
+            if param.requires_grad:  # its own copy of the adapters, equal to the trainer's
+                assert mine[name] is not param and torch.equal(mine[name], param)
+            else:  # the frozen base: the same memory
+                assert mine[name].data_ptr() == param.data_ptr()
+        merged = LlamaForCausalLM(model.get_base_model().config)
+        merged.load_state_dict(generation_weights(model, merged=True))
+        ids = torch.tensor([[1, 2, 3, 4, 5]])
+        assert torch.allclose(logits(engine._model, ids), logits(merged, ids), atol=1e-5)
+    finally:
+        parts.stop_generation()
+        parts.shutdown()
+
+
+def test_a_weight_sync_shares_frozen_parameters_and_checkpoints_only_what_changes():
+    frozen = torch.nn.Parameter(torch.ones(3), requires_grad=False)
+    trained = torch.nn.Parameter(torch.zeros(2))
+    sync = CopyWeightSync(max_versions=2)
+    for version in (0, 1):
+        with torch.no_grad():
+            trained.add_(1)
+        sync.publish(version, {"base": frozen, "tied": frozen, "adapter": trained.detach()})
+    for version, value in ((0, 1.0), (1, 2.0)):
+        got = sync.get(version)
+        assert got["base"] is frozen and got["tied"] is frozen  # shared, not copied
+        assert torch.equal(got["adapter"], torch.full((2,), value))
+    assert sync.state_dict() == {"versions": {0: {"adapter": sync.get(0)["adapter"]}}}
+    cast = CopyWeightSync(1, dtype=torch.bfloat16)
+    cast.publish(0, {"base": frozen})
+    cast.publish(1, {"base": frozen})
+    assert cast.get(1)["base"].dtype == torch.bfloat16
+    assert cast.get(1)["base"] is cast._cast[id(frozen)]  # cast once, then shared
+
+
+def test_merged_generation_loads_plain_weights_and_the_run_audits(tmp_path):
+    run = tmp_path / "run"
+    config = small_config(*LORA, "model.lora.merge_for_generation=true", "run.max_num_steps=4")
+    parts = build_components(config)
+    try:
+        assert not is_lora(parts.engine._model)  # the plain model, merged weights loaded
+        assert is_lora(parts.policy.model)
+    finally:
+        parts.stop_generation()
+        parts.shutdown()
+    train_and_report(config, run)
+    assert audit_run_dir(run).ok

@@ -132,3 +132,18 @@ def test_a_checkpoint_with_partials_resumes_with_how_it_generates_changed(
     assert train(run, *short, *after) == 0
     assert regenerated(run, 1, saved) == []
     assert audit_run_dir(run).ok
+
+
+def test_lora_killed_mid_chunk_continues_its_partials_on_the_versions_it_saved(
+    tmp_path, long_shape
+):
+    # chunked generation keeps A+1 weights versions: the checkpoint's generation part holds
+    # the older versions' adapters alone (the base is shared, never saved) and a resume must
+    # finish each partial sample on the version it started with
+    run, extra = tmp_path / "run", [*long_shape, "model.lora.rank=4", "model.lora.alpha=8"]
+    resumed = crash_and_finish(run, extra, (PARTIALS, PARTIALS))
+    for attempt, info in resumed:
+        assert regenerated(run, attempt, info) == [], f"attempt {attempt}"
+    report = audit_run_dir(run)
+    assert report.ok, report.violations
+    assert report.num_resumes == 2 and report.num_steps == 14

@@ -79,3 +79,24 @@ def test_numbers_and_tables_are_formatted_for_reading():
         "  1  22",
         "333   4",
     ]
+
+
+def test_the_lora_line_compares_lora_with_full_fine_tuning_side_by_side():
+    from lora import ratios
+    from scale import SizeResult
+
+    def result(step_s: float, rss: int, ckpt: float, blocked: float) -> SizeResult:
+        return SizeResult("300M", 100, step_s, 1.0, rss, rss, rss, ckpt, blocked, 1.0, 1.0, "")
+
+    line = ratios(
+        "300M",
+        {
+            "full": result(8.0, 2600, 1000.0, 1.0),
+            "lora": result(2.0, 1000, 23.0, 0.02),
+            "lora_merged": result(2.5, 1200, 23.0, 0.02),
+        },
+    )
+    assert line == (
+        "lora: size=300M ckpt_vs_full=2.3% blocked_per_step=1.0% peak_bytes_per_param=10.0 "
+        "(full 26.0) steps_per_s_vs_full=4.00 merged_vs_peft_step=1.25"
+    )

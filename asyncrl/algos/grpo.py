@@ -43,7 +43,12 @@ from asyncrl.core.losses import (
 )
 from asyncrl.core.types import Group
 from asyncrl.models.device import autocast, model_device
-from asyncrl.models.lora import is_lora, merged_weights, trainable_parameters
+from asyncrl.models.lora import (
+    adapters_in_engine,
+    generation_weights,
+    is_lora,
+    trainable_parameters,
+)
 
 if TYPE_CHECKING:
     from asyncrl.config import Config
@@ -59,6 +64,7 @@ class GRPO:
         self.ranks = ranks
         self.config = config.algo
         self.temperature = config.rollout.temperature
+        self.merge_adapters = not adapters_in_engine(config)  # LoRA: what generation loads
         self.pad_id = policy.pad_id
         self.device = model_device(policy.model)
         self.dtype = config.train.dtype
@@ -219,11 +225,9 @@ class GRPO:
         return loss, logprobs, {**loss_stats, **is_stats, **extra}
 
     def policy_weights(self) -> dict[str, torch.Tensor]:
-        return (
-            merged_weights(self.model)
-            if is_lora(self.model)
-            else self.ranks.full_weights(self.model)
-        )
+        if is_lora(self.model):
+            return generation_weights(self.model, merged=self.merge_adapters)
+        return self.ranks.full_weights(self.model)
 
     def state_dict(self) -> dict[str, Any]:
         return policy_state(self.name, self.optimizer, self.schedule, self.reference)

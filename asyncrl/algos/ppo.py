@@ -57,9 +57,10 @@ from asyncrl.core.types import Group
 from asyncrl.models.critic import build_critic, completion_values
 from asyncrl.models.device import autocast, model_device, place
 from asyncrl.models.lora import (
+    adapters_in_engine,
+    generation_weights,
     is_lora,
     load_trainable_state,
-    merged_weights,
     trainable_parameters,
     trainable_state,
     wrap,
@@ -143,6 +144,7 @@ class PPO:
         self.config = algo
         self.options = opt
         self.temperature = config.rollout.temperature
+        self.merge_adapters = not adapters_in_engine(config)  # LoRA: what generation loads
         self.pad_id = policy.pad_id
         self.seed = config.run.seed
         self.policy_loss = ClippedPolicyLoss(clip_eps=algo.clip_eps)
@@ -159,11 +161,9 @@ class PPO:
         self.critic_schedule = StepSchedule(self.critic_optimizer, algo, config.run.max_num_steps)
 
     def policy_weights(self) -> dict[str, torch.Tensor]:
-        return (
-            merged_weights(self.model)
-            if is_lora(self.model)
-            else self.ranks.full_weights(self.model)
-        )
+        if is_lora(self.model):
+            return generation_weights(self.model, merged=self.merge_adapters)
+        return self.ranks.full_weights(self.model)
 
     def state_dict(self) -> dict[str, Any]:
         """The policy optimizer and lr schedule, the critic, its optimizer and lr schedule, and

@@ -28,6 +28,10 @@ class LoraConfig:
     )
     """Module names (or name suffixes) that get an adapter, as peft matches them; `all-linear`
     is every linear layer but the output layer."""
+    merge_for_generation: bool = field(default=False, metadata=NEVER_CHANGES)
+    """`false`: the torch engine in the trainer's process runs peft's forward on the trainer's
+    own frozen base (no second copy of the model); `true`: it loads each version's merged
+    weights, as vLLM and Ray workers always do. Measured in `benchmarks/lora.py`."""
 
     def validate(self) -> None:
         _require(self.rank >= 0, "model.lora.rank", self.rank, ">= 0 (0: no adapter)")

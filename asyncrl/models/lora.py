@@ -25,7 +25,7 @@ import torch
 from torch import nn
 
 from asyncrl.checkpoint.store import CheckpointError
-from asyncrl.config import LoraConfig, ModelConfig
+from asyncrl.config import Config, LoraConfig, ModelConfig
 
 WEIGHT_FILES = ("*.safetensors", "*.bin", "*.pt", "*.gguf")
 """The files under `model.path` whose bytes are the base model's identity."""
@@ -175,19 +175,48 @@ def merged_weights(model: nn.Module) -> dict[str, torch.Tensor]:
         return model.state_dict()
     from peft.tuners.lora import LoraLayer
 
-    base = base_module(model)
-    deltas: dict[str, torch.Tensor] = {}
-    for name, module in base.named_modules():
-        if isinstance(module, LoraLayer) and not module.disable_adapters:
-            for adapter in module.active_adapters:
-                if adapter in module.lora_A:
-                    key = f"{name}.weight"
-                    delta = module.get_delta_weight(adapter)  # type: ignore[attr-defined]
-                    deltas[key] = deltas[key] + delta if key in deltas else delta
     out = plain_state_dict(model)
-    for key, delta in deltas.items():
-        out[key] = out[key] + delta.to(out[key].dtype)
+    for name, module in base_module(model).named_modules():
+        if isinstance(module, LoraLayer) and not module.disable_adapters:
+            key = f"{name}.weight"
+            for adapter in module.active_adapters:
+                if adapter in module.lora_A:  # one layer's delta at a time: no model-sized set
+                    delta = module.get_delta_weight(adapter)  # type: ignore[attr-defined]
+                    out[key] = out[key] + delta.to(out[key].dtype)
     return out
+
+
+def adapters_in_engine(config: Config) -> bool:
+    """Whether generation runs peft's forward on the frozen base itself (the torch engine in
+    this process: `rollout.engine=torch`, `rollout.backend=threads`), sharing the trainer's
+    base weights; otherwise (vLLM, Ray workers, `model.lora.merge_for_generation`) it loads
+    the merged weights of each version."""
+    rollout, lora = config.rollout, config.model.lora
+    in_process = rollout.engine == "torch" and rollout.backend == "threads"
+    return bool(lora.rank) and in_process and not lora.merge_for_generation
+
+
+def generation_weights(model: nn.Module, merged: bool) -> dict[str, torch.Tensor]:
+    """A LoRA model's weights as generation loads them: `merged_weights`, or (for an engine
+    that holds the adapters itself) its whole state dict, where every frozen base weight is
+    the trainer's own `nn.Parameter` (a weight sync shares it instead of copying: it never
+    changes) and the adapters are live tensors like any trained weight."""
+    if merged:
+        return merged_weights(model)
+    return {
+        name: t if isinstance(t, nn.Parameter) and not t.requires_grad else t.detach()
+        for name, t in model.state_dict(keep_vars=True).items()
+    }
+
+
+def frozen_memo(model: nn.Module, device: torch.device, dtype: torch.dtype) -> dict[int, Any]:
+    """A `copy.deepcopy` memo that makes the copy share `model`'s frozen parameters already on
+    `device` in `dtype` (a LoRA model's base: an engine's copy then costs its adapters only)."""
+    return {
+        id(p): p
+        for p in model.parameters()
+        if not p.requires_grad and p.device == device and p.dtype == dtype
+    }
 
 
 def check_base(saved: str | None, now: str | None, config: ModelConfig) -> None:

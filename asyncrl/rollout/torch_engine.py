@@ -25,6 +25,7 @@ import torch
 from asyncrl.faults import fault_point
 from asyncrl.models.device import DTYPES
 from asyncrl.models.logprobs import keeps_logits
+from asyncrl.models.lora import frozen_memo
 from asyncrl.models.policy import left_pad, position_ids
 from asyncrl.rollout.engine import (
     EngineCapabilities,
@@ -60,8 +61,9 @@ def sample_inverse_cdf(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Ten
 
 class TorchGenerationEngine:
     """Autoregressive sampling with a KV cache on a private copy of the model; the trainer's
-    copy and this one never share memory. Weights are loaded strictly: a key mismatch between
-    what is published and the model is an error, never silently skipped."""
+    copy and this one share no memory but a LoRA model's frozen base (`frozen_memo`). Weights
+    are loaded strictly: a key mismatch between what is published and the model is an error,
+    never silently skipped."""
 
     capabilities: ClassVar[EngineCapabilities] = EngineCapabilities(
         pinned_versions=True,
@@ -72,9 +74,11 @@ class TorchGenerationEngine:
 
     def __init__(self, spec: EngineSpec, weights: WeightSource) -> None:
         self.device = torch.device(spec.device)
-        self._model = copy.deepcopy(spec.model).eval()
+        dtype = DTYPES[spec.dtype]
+        memo = frozen_memo(spec.model, self.device, dtype)  # a LoRA base: never changes
+        self._model = copy.deepcopy(spec.model, memo).eval()
         self._model.requires_grad_(False)
-        self._model.to(device=self.device, dtype=DTYPES[spec.dtype])
+        self._model.to(device=self.device, dtype=dtype)
         self.eos_id = spec.eos_id
         self.pad_id = spec.pad_id
         self.max_new_tokens = spec.max_new_tokens

@@ -114,7 +114,12 @@ class CopyWeightSync:
     as its weights (`load_state_dict(assign=True)`): the copy a version needs anyway is the
     torch engine's model, so generation holds one set of weights per kept version, not two.
     (vLLM keeps weights of its own, repacked into its layout: with `rollout.engine=vllm`
-    there are two copies, the kept versions here and the one loaded in vLLM.)"""
+    there are two copies, the kept versions here and the one loaded in vLLM.)
+
+    A published `nn.Parameter` that does not require grad (a LoRA model's frozen base,
+    `asyncrl.models.lora.generation_weights`) never changes: it is shared by every version,
+    not copied (cast once if the engine's device or dtype differs), and left out of the
+    checkpointed state, which then holds the adapters of the older versions only."""
 
     def __init__(
         self, max_versions: int = 1, device: str = "cpu", dtype: torch.dtype | None = None
@@ -122,17 +127,34 @@ class CopyWeightSync:
         self._kept = KeptVersions(max_versions)
         self.device = torch.device(device)
         self.dtype = dtype
+        self._frozen: dict[str, torch.Tensor] = {}  # name -> the shared (or cast once) tensor
+        self._cast: dict[int, torch.Tensor] = {}
 
     def publish(self, version: int, weights: Mapping[str, torch.Tensor]) -> None:
-        copied = clone_state(dict(weights), self.device, self.dtype)
+        changing = {}
+        for name, tensor in weights.items():
+            if isinstance(tensor, torch.nn.Parameter) and not tensor.requires_grad:
+                self._frozen[name] = self._shared(tensor)
+            else:
+                changing[name] = tensor
+        copied = clone_state(changing, self.device, self.dtype)
         self._kept.put(version, copied, copied if self._kept.max_versions > 1 else {})
+
+    def _shared(self, tensor: torch.Tensor) -> torch.Tensor:
+        """A frozen tensor on the engine's device in its dtype: itself, or one cast copy."""
+        dtype = self.dtype if self.dtype is not None and tensor.is_floating_point() else None
+        if tensor.device == self.device and dtype in (None, tensor.dtype):
+            return tensor
+        if id(tensor) not in self._cast:
+            self._cast[id(tensor)] = tensor.detach().to(self.device, dtype or tensor.dtype)
+        return self._cast[id(tensor)]
 
     def newest(self) -> int:
         return self._kept.newest()
 
     def get(self, version: int) -> dict[str, torch.Tensor]:
         weights: dict[str, torch.Tensor] = self._kept.get(version)
-        return weights
+        return {**self._frozen, **weights} if self._frozen else weights
 
     def has(self, version: int) -> bool:
         return self._kept.has(version)

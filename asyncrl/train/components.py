@@ -16,7 +16,7 @@ from asyncrl.core.buffer import Buffer, ReplayBuffer
 from asyncrl.core.ledger import Ledger
 from asyncrl.core.stream import PromptStream
 from asyncrl.models.device import DTYPES, place, resolve_device
-from asyncrl.models.lora import apply_lora
+from asyncrl.models.lora import adapters_in_engine, apply_lora
 from asyncrl.models.policy import Policy, load_policy
 from asyncrl.rollout.collector import Chunk, Collector
 from asyncrl.rollout.engine import (
@@ -84,10 +84,12 @@ def build_trainer_side(
     task = load_task(config.data)
     policy = load_policy(config.model, config.run.seed, task.alphabet())
     place(policy.model, train_device)
+    if adapters_in_engine(config):  # the torch engine shares the base and runs the adapters
+        apply_lora(policy, config.model, config.run.seed)
 
     def build_algorithm() -> Algorithm:
-        # the engine and the evaluator copied the plain model: only the trainer's has adapters
-        apply_lora(policy, config.model, config.run.seed)
+        if not adapters_in_engine(config):  # the engines copied the plain model: merged weights
+            apply_lora(policy, config.model, config.run.seed)
         # built before any checkpoint is loaded: a critic or reference copies the initial weights
         return algorithm_class(config.algo.name)(policy, config, ranks)
 
