@@ -242,3 +242,33 @@ def test_merged_generation_loads_plain_weights_and_the_run_audits(tmp_path):
         parts.shutdown()
     train_and_report(config, run)
     assert audit_run_dir(run).ok
+
+
+def test_an_adapter_on_a_layer_that_is_not_linear_is_refused_naming_the_key():
+    with pytest.raises(ConfigError, match=r"model\.lora\.target_modules: .*embed_tokens"):
+        lora_policy("model.lora.target_modules=embed_tokens,q_proj")
+
+
+def test_a_lora_run_may_not_change_its_engine_or_backend_on_resume():
+    from asyncrl.config.keys import semantic_differences
+
+    saved = build_config({}, [*LORA]).to_dict()
+    now = build_config({}, [*LORA, "rollout.backend=ray"])
+    assert any(d.startswith("rollout.backend") for d in semantic_differences(saved, now))
+    full = build_config({}, []).to_dict()  # without adapters it may
+    assert semantic_differences(full, build_config({}, ["rollout.backend=ray"])) == []
+
+
+def test_the_engine_keeps_only_the_last_logits_of_a_prompt_with_adapters():
+    config = small_config(*LORA)
+    parts = build_components(config)
+    try:
+        assert parts.engine._keeps_logits  # peft's forward passes logits_to_keep through
+    finally:
+        parts.stop_generation()
+        parts.shutdown()
+
+
+def test_an_adapter_on_a_tied_output_layer_is_refused():
+    with pytest.raises(ConfigError, match=r"model\.lora\.target_modules: the output layer is tied"):
+        lora_policy("model.lora.target_modules=lm_head,q_proj")

@@ -7,7 +7,7 @@ import contextlib
 import copy
 import hashlib
 import math
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -278,7 +278,7 @@ class ReferencePolicy:
         off = self.model.disable_adapter() if self.adapters_off else contextlib.nullcontext()  # type: ignore[operator]
         training = self.model.training
         self.model.eval()  # the shared model trains; its reference forward has no dropout
-        with off:
+        with off, _restore_mode(self.model, training):
             logprobs, _ = completion_logprobs(
                 self.model,
                 batch["prompts"],
@@ -288,5 +288,12 @@ class ReferencePolicy:
                 pad_id,
                 shared_prompts=self.shared_prompts,
             )  # no entropy: the reference only needs the chosen tokens' log-probs
-        self.model.train(training)
         return logprobs
+
+
+@contextlib.contextmanager
+def _restore_mode(model: torch.nn.Module, training: bool) -> Iterator[None]:
+    try:
+        yield
+    finally:
+        model.train(training)

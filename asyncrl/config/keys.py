@@ -133,11 +133,19 @@ def _saved_value(before: dict[str, Any], key: str) -> Any:
     return PREDATED[key](before) if key in PREDATED else _default(key)
 
 
+LORA_FIXED = ("rollout.engine", "rollout.backend")
+"""Keys that may change on resume, but not in a LoRA run: the older weights versions its
+checkpoint keeps are in the form that engine and backend load (the adapters alone, or merged
+weights under the base model's names; `asyncrl.models.lora.adapters_in_engine`)."""
+
+
 def semantic_differences(saved: dict[str, dict[str, Any]], now: Config) -> list[str]:
     """`key: checkpoint=X, now=Y` for every semantics-bearing key that differs. A key the
     checkpoint's config predates counts as its default there (or as `PREDATED` says)."""
     before, after = flatten(saved), flatten(now)
     benign = _benign_keys(bool(before.get("run.deterministic")))
+    if before.get("model.lora.rank"):
+        benign -= set(LORA_FIXED)
     return [
         f"{key}: checkpoint={_saved_value(before, key)!r}, now={after[key]!r}"
         for key in after

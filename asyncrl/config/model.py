@@ -30,7 +30,8 @@ class LoraConfig:
     is every linear layer but the output layer."""
     merge_for_generation: bool = field(default=False, metadata=NEVER_CHANGES)
     """`false`: the torch engine in the trainer's process runs peft's forward on the trainer's
-    own frozen base (no second copy of the model); `true`: it loads each version's merged
+    own frozen base (no second copy of it where `rollout.device` and `rollout.dtype` are the
+    trainer's weights'); `true`: it loads each version's merged
     weights, as vLLM and Ray workers always do. Measured in `benchmarks/lora.py`."""
 
     def validate(self) -> None:

@@ -25,7 +25,7 @@ import torch
 from torch import nn
 
 from asyncrl.checkpoint.store import CheckpointError
-from asyncrl.config import Config, LoraConfig, ModelConfig
+from asyncrl.config import Config, ConfigError, LoraConfig, ModelConfig
 
 WEIGHT_FILES = ("*.safetensors", "*.bin", "*.pt", "*.gguf")
 """The files under `model.path` whose bytes are the base model's identity."""
@@ -55,19 +55,37 @@ def wrap(model: nn.Module, lora: LoraConfig, seed: int, **kwargs: Any) -> nn.Mod
     (peft draws the A matrices; B starts at zero, so the wrapped model computes what the base
     does)."""
     from peft import get_peft_model
+    from peft.tuners.lora import Linear, LoraLayer
 
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        return get_peft_model(model, peft_config(lora, **kwargs))
+        wrapped = get_peft_model(model, peft_config(lora, **kwargs))
+    others = sorted(
+        name
+        for name, module in wrapped.named_modules()
+        if isinstance(module, LoraLayer) and not isinstance(module, Linear)
+    )
+    if others:  # merged_weights computes Linear layers' deltas only
+        raise ConfigError(
+            f"model.lora.target_modules: {others[0]} is not a linear layer; adapters go on "
+            "linear layers only (e.g. q_proj, v_proj, or all-linear)"
+        )
+    head = wrapped.get_output_embeddings()
+    if isinstance(head, LoraLayer) and getattr(model.config, "tie_word_embeddings", False):
+        raise ConfigError(
+            "model.lora.target_modules: the output layer is tied to the input embeddings "
+            "here; an adapter on it would untie them in the merged model"
+        )
+    return wrapped
 
 
 def base_sha256(config: ModelConfig, model: nn.Module) -> str:
     """The base model's identity: SHA-256 (16 hex digits) of the weights files under
-    `model.path` (names and bytes), or of the preset's initial tensors (a function of the
-    preset's keys and `run.seed`)."""
+    `model.path` (names and bytes), or of the initial tensors (the preset's: a function of its
+    keys and `run.seed`; or a `model.path` without such files)."""
     digest = hashlib.sha256()
-    if config.path:
-        files = sorted({f for pattern in WEIGHT_FILES for f in Path(config.path).glob(pattern)})
+    files = sorted({f for pattern in WEIGHT_FILES for f in Path(config.path).glob(pattern)})
+    if config.path and files:
         for file in files:
             digest.update(file.name.encode())
             with file.open("rb") as handle:
@@ -212,6 +230,8 @@ def generation_weights(model: nn.Module, merged: bool) -> dict[str, torch.Tensor
 def frozen_memo(model: nn.Module, device: torch.device, dtype: torch.dtype) -> dict[int, Any]:
     """A `copy.deepcopy` memo that makes the copy share `model`'s frozen parameters already on
     `device` in `dtype` (a LoRA model's base: an engine's copy then costs its adapters only)."""
+    if device.type == "cuda" and device.index is None:  # parameters say cuda:N
+        device = torch.device("cuda", torch.cuda.current_device())
     return {
         id(p): p
         for p in model.parameters()

@@ -25,7 +25,7 @@ import torch
 from asyncrl.faults import fault_point
 from asyncrl.models.device import DTYPES
 from asyncrl.models.logprobs import keeps_logits
-from asyncrl.models.lora import frozen_memo
+from asyncrl.models.lora import base_module, frozen_memo
 from asyncrl.models.policy import left_pad, position_ids
 from asyncrl.rollout.engine import (
     EngineCapabilities,
@@ -85,7 +85,7 @@ class TorchGenerationEngine:
         self.temperature = spec.temperature
         self.weights = weights
         self._loaded: int | None = None  # the version the private model holds
-        self._keeps_logits = keeps_logits(self._model)
+        self._keeps_logits = keeps_logits(base_module(self._model))  # type: ignore[arg-type]
         self._keep_cache = spec.keep_cache_between_chunks
         self._carry: _Carry | None = None
 
