@@ -272,6 +272,10 @@ class SizeResult:
     write_s: float
     resume_s: float
     resume_how: str
+    num_checkpoints: int = 0
+    num_deferred: int = 0  # `checkpoint_deferred` events (checkpoint.when_busy=defer)
+    write_wait_s: float = 0.0  # of blocked_s: the median wait for the previous write
+    hook_wait_s: float = 0.0  # of blocked_s: the median optimizer steps held by the staging copy
 
 
 def blocked_s(event: dict) -> float:
@@ -282,10 +286,13 @@ def blocked_s(event: dict) -> float:
 
 
 def steady(checkpoints: list[dict]) -> list[dict]:
-    """The checkpoints after the first, when there are more: the first one pays one-time costs
-    (the process's first large allocations and page faults under the next step) that the
-    run's later checkpoints do not."""
-    return checkpoints[1:] if len(checkpoints) > 1 else checkpoints
+    """The periodic checkpoints after the first, when there are more: the first one pays
+    one-time costs (the process's first large allocations and page faults under the next step)
+    that the run's later checkpoints do not, and the run's final one (`reason` "final", only
+    when no periodic one fell on the last step) waits for the previous write by design: a run
+    ends with its last checkpoint verified."""
+    periodic = [e for e in checkpoints if e.get("reason") != "final"] or checkpoints
+    return periodic[1:] if len(periodic) > 1 else periodic
 
 
 SMOL = "smollm2"
@@ -351,7 +358,10 @@ def measure_size(label: str, tmp: Path, steps: int, extra: list[str]) -> SizeRes
         # saves come faster than the disk takes them) and optimizer steps held by the copy
         statistics.median(blocked_s(e) for e in steady(checkpoints)),
         statistics.median(e["seconds"] for e in steady(checkpoints)),
-        resume_s, how,
+        resume_s, how, len(checkpoints),
+        sum(e["event"] == "checkpoint_deferred" for e in events),
+        statistics.median(e.get("previous_write_wait_s", 0.0) for e in steady(checkpoints)),
+        statistics.median(e.get("hook_wait_s", 0.0) for e in steady(checkpoints)),
     )  # fmt: skip
     shutil.rmtree(model_dir)
     shutil.rmtree(run_dir)

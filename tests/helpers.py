@@ -21,6 +21,9 @@ SMALL = [
     "rollout.num_generations_per_prompt=4",
     "logging.progress=false",
     "logging.plot=false",
+    # the checkpoints fall at the steps a test names, however slow the disk is today
+    # (the default, `defer`, is tested in tests/test_checkpoint_schedule.py)
+    "checkpoint.when_busy=wait",
 ]
 
 

@@ -54,8 +54,8 @@ FROZEN_CONFIG_KEYS = [
     "algo.critic_lr", "algo.value_clip_eps", "algo.critic_warmup_steps", "algo.tis_cap",
     # the `rloo` algorithm's own keys (asyncrl/config/algos.py RLOOOptions)
     "algo.entropy_scale",
-    "checkpoint.save_period", "checkpoint.keep_last", "checkpoint.resume_policy",
-    "checkpoint.staging_buffer",
+    "checkpoint.save_period", "checkpoint.every_s", "checkpoint.when_busy",
+    "checkpoint.keep_last", "checkpoint.resume_policy", "checkpoint.staging_buffer",
     "eval.every_steps", "eval.at_start", "eval.path", "eval.split", "eval.max_examples",
     "eval.num_samples", "eval.temperature", "eval.greedy", "eval.pass_threshold",
     "eval.batch_prompts",

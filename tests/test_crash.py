@@ -104,7 +104,10 @@ def test_random_sigkills_and_a_kill_mid_checkpoint_lose_nothing(tmp_path, repo_r
     run = tmp_path / "run"
     rng = random.Random(1234)
     # 1: killed by SIGKILL while writing the second checkpoint's first file
-    proc = launch(run, repo_root, *algo, fault="checkpoint.file_written[step=6]")
+    # (`wait`: step 6 gets its checkpoint however slow the disk; the resumes below defer)
+    proc = launch(
+        run, repo_root, *algo, "checkpoint.when_busy=wait", fault="checkpoint.file_written[step=6]"
+    )
     out, _ = proc.communicate(timeout=480)
     assert proc.returncode == -signal.SIGKILL, out
     assert list((run / "checkpoints").glob(".tmp-step_000006-*")), "died mid-write"

@@ -69,7 +69,8 @@ def wait_for_no_rank_processes(driver: int, timeout_s: float = 20) -> None:
 def test_two_ranks_killed_anywhere_resume_without_losing_or_redoing_anything(tmp_path, repo_root):
     run, rng, n = tmp_path / "run", random.Random(7), 4
     # the other rank dies while writing its files of the second checkpoint (step 6)
-    proc = crash_launch(run, repo_root, TWO, fault="checkpoint.rank_file_written[step=6]")
+    wait = "checkpoint.when_busy=wait"  # step 6 gets its checkpoint however slow the disk
+    proc = crash_launch(run, repo_root, TWO, wait, fault="checkpoint.rank_file_written[step=6]")
     out, _ = proc.communicate(timeout=300)
     assert proc.returncode == 1, out
     assert "trainer rank 1" in out and "exited with -9" in out, out

@@ -30,6 +30,7 @@ DETERMINISTIC = [
     "rollout.groups_per_batch=2",
     "rollout.max_trajectory_age_steps=1",
     "checkpoint.save_period=3",
+    "checkpoint.when_busy=wait",  # the kills are at step 6's checkpoint, however slow the disk
     "data.num_examples=20",  # an epoch every 5 steps
     "logging.progress=false",
     "logging.plot=false",

@@ -159,7 +159,8 @@ def test_a_sigkilled_driver_resumes_on_ray_and_loses_nothing(tmp_path, repo_root
     command = [sys.executable, "-m", "asyncrl.cli", "train", str(repo_root / "configs/demo.yaml")]
     args = [
         *command, "--run-dir", str(run), *RAY, "rollout.num_generations_per_prompt=4",
-        "run.max_num_steps=20", "checkpoint.save_period=3", "logging.progress=false",
+        "run.max_num_steps=20", "checkpoint.save_period=3", "checkpoint.when_busy=wait",
+        "logging.progress=false",
         "logging.plot=false",
     ]  # fmt: skip
     env = {**os.environ, "PYTHONWARNINGS": "ignore"}

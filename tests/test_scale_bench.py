@@ -100,3 +100,55 @@ def test_the_lora_line_compares_lora_with_full_fine_tuning_side_by_side():
         "lora: size=300M ckpt_vs_full=2.3% blocked_per_step=1.0% peak_bytes_per_param=10.0 "
         "(full 26.0) steps_per_s_vs_full=4.00 merged_vs_peft_step=1.25"
     )
+
+
+def test_the_deferral_line_compares_defer_with_wait_side_by_side():
+    from deferral import deferral_line
+    from scale import SizeResult
+
+    def result(step_s: float, blocked: float, num_checkpoints: int, num_deferred: int):
+        return SizeResult(
+            "300M", 100, step_s, 1.0, 1, 1, 1, 1.0, blocked, 1.0, 1.0, "", num_checkpoints,
+            num_deferred, write_wait_s=blocked / 2,
+        )  # fmt: skip
+
+    line = deferral_line("300M", {"wait": result(6.0, 5.2, 4, 0), "defer": result(5.0, 0.25, 4, 2)})
+    assert line == (
+        "deferral: size=300M blocked_per_step wait=86.7% defer=5.0% "
+        "steps_per_s_defer_vs_wait=1.20 checkpoints wait=4 defer=4 deferred=2 "
+        "previous_write_wait_ms wait=2600 defer=125"
+    )
+
+
+def test_the_blocked_median_leaves_out_the_first_and_a_final_checkpoint_that_waited_by_design():
+    from scale import steady
+
+    events = [
+        {"step": 3, "reason": "save_period"},
+        {"step": 7, "reason": "save_period", "deferred_from": 6},
+        {"step": 10, "reason": "every_s"},
+        {"step": 12, "reason": "final"},
+    ]
+    assert [e["step"] for e in steady(events)] == [7, 10]
+    assert [e["step"] for e in steady(events[:1])] == [3]  # one: that one
+    assert [e["step"] for e in steady([{"step": 6}, {"step": 9}])] == [9]  # older events
+
+
+def test_the_lora_curve_line_takes_the_last_five_steps_and_the_best_lora_lr():
+    from lora_curve import Curve, moving_mean, summary_line
+
+    def curve(label: str, fmt: list[float], correct: float, wall: float) -> Curve:
+        steps = list(range(len(fmt)))
+        return Curve(label, steps, [wall] * len(fmt), fmt, [correct] * len(fmt))
+
+    full = curve("full", [0.0] * 5 + [0.5] * 5, 0.25, 300.0)
+    loras = {
+        1e-4: curve("a", [0.1] * 10, 0.0, 250.0),
+        3e-4: curve("b", [0.0] * 5 + [0.9] * 5, 0.5, 260.0),
+    }
+    # the last 5 steps' 160 samples: se = sqrt(0.5 * 0.5 / 160) = 0.0395, sqrt(.09 / 160) = 0.0237
+    assert summary_line(full, loras) == (
+        "lora_curve: steps=10 format_last5 full=0.500+-0.040 lora=0.900+-0.024 (lr 0.0003) "
+        "correct_last5 full=0.250 lora=0.500 wall_s full=300 lora=260"
+    )
+    assert moving_mean([0.0, 1.0, 1.0, 1.0, 1.0, 1.0], n=5) == [0.0, 0.5, 2 / 3, 0.75, 0.8, 1.0]

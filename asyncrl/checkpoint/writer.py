@@ -39,6 +39,8 @@ class CheckpointWriter:
         self.keep_last = keep_last
         self.on_saved = on_saved
         self._thread: threading.Thread | None = None
+        self.writing_step: int | None = None
+        """The step of the write submitted last (in progress while `busy()`)."""
         self._error: BaseException | None = None
 
     def submit(self, step: int, cut: Cut, info: dict[str, Any]) -> None:
@@ -51,7 +53,13 @@ class CheckpointWriter:
         self._thread = threading.Thread(
             target=self._write, args=(step, cut, info), name="asyncrl-ckpt", daemon=True
         )
+        self.writing_step = step
         self._thread.start()
+
+    def busy(self) -> bool:
+        """Whether a write is still in progress (its error, if it failed, is raised by the
+        next `wait` or `submit`)."""
+        return self._thread is not None and self._thread.is_alive()
 
     def wait(self) -> None:
         """Blocks until no write is in progress; raises the error of a failed write."""

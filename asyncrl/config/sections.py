@@ -321,6 +321,16 @@ class AlgoConfig:
 class CheckpointConfig:
     save_period: int = field(default=10, metadata=MAY_CHANGE)
     """Write a checkpoint after every `save_period` steps; the last step always gets one."""
+    every_s: float = field(default=0.0, metadata=MAY_CHANGE)
+    """Also write one once `every_s` seconds of wall time have passed since the last (what a
+    user on preemptible machines sets: the work a kill can cost is bounded in time, not
+    steps); 0: off. Checked at step boundaries."""
+    when_busy: Literal["defer", "wait"] = field(default="defer", metadata=MAY_CHANGE)
+    """A checkpoint that falls due while the previous one is still being written: `defer`
+    trains on and writes it at the first step boundary after that write ends (a
+    `checkpoint_deferred` event), so the trainer never waits for the disk; `wait` blocks
+    until the write ends, so the checkpoints' steps depend on the config alone. A stop's
+    emergency checkpoint and the final one always wait."""
     keep_last: int = field(default=3, metadata=MAY_CHANGE)
     """Verified checkpoints of this run to keep; older ones are deleted after each save. The
     newest verified checkpoint is never deleted."""
@@ -339,6 +349,7 @@ class CheckpointConfig:
     def validate(self) -> None:
         _require(self.save_period >= 1, "checkpoint.save_period", self.save_period, ">= 1")
         _require(self.keep_last >= 1, "checkpoint.keep_last", self.keep_last, ">= 1")
+        _require(self.every_s >= 0, "checkpoint.every_s", self.every_s, ">= 0")
 
 
 @dataclass

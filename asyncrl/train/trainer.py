@@ -6,7 +6,8 @@
     generate with version v      │              groups = buffer.sample(t)   # waits for all N
     score, buffer.add(group) ────┼──────────▶   algorithm.step(groups, t)
     wait if nothing admissible ◀─┴── v=t+1 ──   publish weights version t+1 to the engine
-                                                every save_period steps: checkpoint
+                                                checkpoint when due (save_period,
+                                                every_s), deferred while one is written
 
 Who waits on whom: the trainer waits only for the N groups of its own step; the collector
 waits only when every target inside the window is already dispatched. Staleness bound: a
@@ -35,6 +36,7 @@ import transformers
 from tqdm import tqdm
 
 from asyncrl.checkpoint.restore import SKIP_RESTORE, ShapeMismatch, load_parts
+from asyncrl.checkpoint.schedule import CheckpointSchedule
 from asyncrl.checkpoint.snapshot import RNGState, Snapshot, Stateful, decode
 from asyncrl.checkpoint.staging import Cut, StagingArea
 from asyncrl.checkpoint.store import CheckpointError, Verified
@@ -122,6 +124,10 @@ class Trainer:
         self._start_s = time.perf_counter()
         self.staging = StagingArea(
             {"auto": None, "keep": True, "release": False}[config.checkpoint.staging_buffer]
+        )
+        saves = config.checkpoint
+        self.schedule = CheckpointSchedule(
+            saves.save_period, saves.every_s, saves.when_busy, last_saved_s=self._start_s
         )
         self.writer = CheckpointWriter(
             run.store,
@@ -286,6 +292,7 @@ class Trainer:
         )
         wall = self._wall_s if self._wall_s is not None else wall_before(self.run_dir, self.step)
         self._start_s = time.perf_counter() - wall
+        self.schedule.last_saved_s = time.perf_counter()  # `every_s` counts from the launch
         self.parts.collector.start()
         try:
             if self.step == 0:
@@ -296,8 +303,10 @@ class Trainer:
                     tqdm.write(eval_line(record), file=sys.stderr)
                 progress.set_postfix_str(self._postfix(record), refresh=False)
                 progress.update(1)
-                if self.stop.requested or self.step % self.config.checkpoint.save_period == 0:
-                    self.checkpoint()
+                if self.stop.requested:
+                    self.checkpoint(reason="stop")
+                else:
+                    self._scheduled_checkpoint()
                 if self.stop.requested:
                     raise Preempted(self.stop.signal_name or "signal")
             if self.last_saved_step != self.step:
@@ -309,7 +318,7 @@ class Trainer:
         except GenerationFailed:
             # the cut is still consistent (the failed batch is queued as in flight): keep it
             if self.last_saved_step != self.step:
-                self.checkpoint(wait=True)
+                self.checkpoint(wait=True, reason="generation_failed")
             raise
         finally:
             self.parts.stop_generation()  # after the emergency checkpoint: waits out one batch
@@ -325,7 +334,7 @@ class Trainer:
         except CheckpointError as err:  # an earlier periodic save failed: still try this one
             print(f"asyncrl: an earlier checkpoint write failed: {err}")
         if self.last_saved_step != self.step:
-            self.checkpoint(wait=True)
+            self.checkpoint(wait=True, reason="stop")
         print(
             f"asyncrl: {stop.signal_name}: checkpoint of step {self.step} written; run the same "
             "command again to resume"
@@ -398,10 +407,26 @@ class Trainer:
             tqdm.write(eval_line({"step": -1, **metrics}), file=sys.stderr)
         return metrics
 
-    def checkpoint(self, wait: bool = False) -> None:
+    def _scheduled_checkpoint(self) -> None:
+        """The checkpoint of `checkpoint.save_period` / `every_s` when it is due, or its
+        deferral while the previous write is in progress (`checkpoint.when_busy`)."""
+        decision, reason = self.schedule.decide(self.step, time.perf_counter(), self.writer.busy())
+        if decision == "save":
+            self.checkpoint(reason=reason)
+        elif decision == "defer":
+            self.logs.events.emit(
+                "checkpoint_deferred",
+                step=self.step,
+                writing_step=self.writer.writing_step,
+                reason=reason,
+            )
+
+    def checkpoint(self, wait: bool = False, reason: str = "final") -> None:
         """Stages the current step's state and hands it to the background writer, which
         writes, verifies and retains; `wait=True` also blocks until that is done. Waits first
-        for the previous write (it reads the staging buffers) and raises its error."""
+        for the previous write (it reads the staging buffers) and raises its error. `reason`
+        (in the `checkpoint` event): `save_period`, `every_s`, `stop`, `generation_failed`
+        or `final`."""
         start = time.perf_counter()
         self.writer.wait()
         capture_start = time.perf_counter()
@@ -418,8 +443,12 @@ class Trainer:
             "blocked_s": time.perf_counter() - start,
             "previous_write_wait_s": capture_start - start,
             "pause_s": pause_s,
+            "reason": reason,
             **cut.facts,
         }
+        deferred_from = self.schedule.saved(time.perf_counter())
+        if deferred_from is not None:
+            info["deferred_from"] = deferred_from
         self.writer.submit(self.step, cut, info)
         self.last_saved_step = self.step
         if wait:
