@@ -8,7 +8,7 @@ steps between two of them.
 Each size of `benchmarks/scale.py` is trained full fine-tuning in its shape (N=2 x G=2, 8 new
 tokens, a checkpoint every 3 steps, keep_last 2), once with `wait` and once with `defer`, one
 after the other. Per size it prints a table row per mode, the checkpoints written and deferred,
-and a line of ratios; the last line is the largest size's:
+and a line of ratios, one per size (in `--sizes` order, so the last line is the last size's):
 
     deferral: size=S blocked_per_step wait=W% defer=D% steps_per_s_defer_vs_wait=X
               checkpoints wait=A defer=B deferred=C previous_write_wait_ms wait=E defer=F

@@ -81,6 +81,9 @@ RUN = [
     "rollout.max_new_tokens=8",
     "checkpoint.save_period=3",
     "checkpoint.keep_last=2",
+    # a checkpoint every 3 steps, each waiting for the previous write: the figures stay
+    # comparable across sizes and with earlier runs (benchmarks/deferral.py measures `defer`)
+    "checkpoint.when_busy=wait",
     "run.torch_threads=1",  # generation and training each own one of the 2 cores
     "logging.progress=false",
     "logging.plot=false",
@@ -305,6 +308,7 @@ SMOL_RUN = [
     "eval.at_start=false",
     "checkpoint.save_period=3",
     "checkpoint.keep_last=2",
+    "checkpoint.when_busy=wait",
     "logging.progress=false",
     "logging.plot=false",
 ]

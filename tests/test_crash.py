@@ -299,6 +299,7 @@ became durable, the rerun resumed from it, audited."""
 def test_a_kill_at_every_crash_point_loses_nothing(tmp_path, repo_root, point):
     run = tmp_path / "run"
     short = ["run.max_num_steps=10", "checkpoint.save_period=2", "rollout.groups_per_batch=2"]
+    short += ["checkpoint.when_busy=wait"]  # a third deletion needs all 5 saves, however slow
     proc = launch(run, repo_root, *short, fault=f"{point}:3")
     out, _ = proc.communicate(timeout=480)
     assert proc.returncode == -signal.SIGKILL, f"{point} never reached: {out}"

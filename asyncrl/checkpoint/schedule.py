@@ -3,10 +3,11 @@ seconds of wall time, and never by waiting for the disk.
 
 A checkpoint that falls due while the previous one is still being written is *deferred* (with
 `when_busy="defer"`, the default): the trainer trains on, and the checkpoint is written at the
-first step boundary after that write ends. The trainer's blocked time per checkpoint is then
-the cut alone, not the previous write. `when_busy="wait"` blocks instead, so the checkpoints'
-steps are a function of the config alone (crash tests that kill at one checkpoint's step use
-it). A stop's emergency checkpoint and the final one always wait: they are not scheduled here.
+first step boundary after that write ends; a `save_period` boundary passed meanwhile is folded
+into it (counted). The trainer's blocked time per checkpoint is then the cut alone, not the
+previous write. `when_busy="wait"` blocks instead, so with `every_s` off the checkpoints' steps
+are a function of the config alone (crash tests that kill at one checkpoint's step use it). A
+stop's emergency checkpoint and the final one always wait: they are not scheduled here.
 
 Pure: the caller passes the clock and whether a write is in progress.
 
@@ -37,6 +38,9 @@ class CheckpointSchedule:
     deferred_step: int | None = None
     """The step whose due checkpoint is deferred; None when none is."""
     deferred_reason: str = ""
+    folded_periods: int = 0
+    """`save_period` boundaries passed while the deferred checkpoint waited: each would have
+    been a checkpoint of its own; the one deferred checkpoint stands for them."""
 
     def due(self, step: int, now_s: float) -> str | None:
         """Why a checkpoint is due at the boundary after `step` steps, else None."""
@@ -56,14 +60,21 @@ class CheckpointSchedule:
         if reason is None:
             return "none", ""
         if writing and self.when_busy == "defer":
-            if self.deferred_step is not None:
-                return "none", reason  # still deferred; said already
+            if self.deferred_step is not None:  # still deferred; said already
+                self.folded_periods += step % self.save_period == 0
+                return "none", reason
             self.deferred_step, self.deferred_reason = step, reason
             return "defer", reason
         return "save", reason
 
-    def saved(self, now_s: float) -> int | None:
-        """Records a checkpoint written at `now_s`; returns the step it was deferred from."""
-        deferred, self.deferred_step, self.deferred_reason = self.deferred_step, None, ""
+    def saved(self, now_s: float) -> dict[str, int]:
+        """Records a checkpoint cut at `now_s`; returns its event's deferral facts: the step
+        it was deferred from and the periods folded into it (none when it was not)."""
+        facts = (
+            {}
+            if self.deferred_step is None
+            else {"deferred_from": self.deferred_step, "folded_periods": self.folded_periods}
+        )
+        self.deferred_step, self.deferred_reason, self.folded_periods = None, "", 0
         self.last_saved_s = now_s
-        return deferred
+        return facts

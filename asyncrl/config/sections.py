@@ -320,17 +320,19 @@ class AlgoConfig:
 @dataclass
 class CheckpointConfig:
     save_period: int = field(default=10, metadata=MAY_CHANGE)
-    """Write a checkpoint after every `save_period` steps; the last step always gets one."""
+    """A checkpoint falls due after every `save_period` steps (written then, or deferred while
+    the previous one is still being written: `when_busy`); the last step always gets one."""
     every_s: float = field(default=0.0, metadata=MAY_CHANGE)
-    """Also write one once `every_s` seconds of wall time have passed since the last (what a
-    user on preemptible machines sets: the work a kill can cost is bounded in time, not
-    steps); 0: off. Checked at step boundaries."""
+    """A checkpoint also falls due once `every_s` seconds of wall time have passed since the
+    last one was cut (or since the launch), checked at step boundaries: what a user on
+    preemptible machines sets, to bound in time, not steps, the work a kill can cost; 0: off."""
     when_busy: Literal["defer", "wait"] = field(default="defer", metadata=MAY_CHANGE)
     """A checkpoint that falls due while the previous one is still being written: `defer`
     trains on and writes it at the first step boundary after that write ends (a
     `checkpoint_deferred` event), so the trainer never waits for the disk; `wait` blocks
     until the write ends, so the checkpoints' steps depend on the config alone. A stop's
-    emergency checkpoint and the final one always wait."""
+    emergency checkpoint and the final one always wait. (With `every_s` on, which steps get
+    one depends on the wall clock either way.)"""
     keep_last: int = field(default=3, metadata=MAY_CHANGE)
     """Verified checkpoints of this run to keep; older ones are deleted after each save. The
     newest verified checkpoint is never deleted."""

@@ -303,12 +303,9 @@ class Trainer:
                     tqdm.write(eval_line(record), file=sys.stderr)
                 progress.set_postfix_str(self._postfix(record), refresh=False)
                 progress.update(1)
-                if self.stop.requested:
-                    self.checkpoint(reason="stop")
-                else:
-                    self._scheduled_checkpoint()
-                if self.stop.requested:
+                if self.stop.requested:  # the emergency checkpoint: `_on_preempted`
                     raise Preempted(self.stop.signal_name or "signal")
+                self._scheduled_checkpoint()
             if self.last_saved_step != self.step:
                 self.checkpoint()
             self.writer.wait()  # exit 0 only with the final checkpoint written and verified
@@ -446,9 +443,7 @@ class Trainer:
             "reason": reason,
             **cut.facts,
         }
-        deferred_from = self.schedule.saved(time.perf_counter())
-        if deferred_from is not None:
-            info["deferred_from"] = deferred_from
+        info.update(self.schedule.saved(time.perf_counter()))
         self.writer.submit(self.step, cut, info)
         self.last_saved_step = self.step
         if wait:
