@@ -1,6 +1,6 @@
 """The real model's learning curve, LoRA against full fine-tuning, side by side, by the real CLI.
 
-    .venv/bin/python benchmarks/lora_curve.py                   # `make bench-lora-curve`, ~50 min
+    .venv/bin/python benchmarks/lora_curve.py                   # `make bench-lora-curve`, ~30 min
     .venv/bin/python benchmarks/lora_curve.py --steps 20 --lora-lrs 2e-4
 
 `configs/smol_math.yaml` (SmolLM2-135M-Instruct on the generated word problems: 4 prompts x 8
