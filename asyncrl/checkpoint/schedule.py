@@ -17,7 +17,7 @@ Pure: the caller passes the clock and whether a write is in progress.
                     write in progress and "defer"? ── yes ──▶ defer (one event) ──▶ train on
                                │ no                            (due again at t+1, t+2, ...)
                                ▼
-                            save ──▶ saved(t, now)
+                            save ──▶ saved(now)
 """
 
 from __future__ import annotations
