@@ -255,6 +255,11 @@ def test_a_lora_run_may_not_change_its_engine_or_backend_on_resume():
     saved = build_config({}, [*LORA]).to_dict()
     now = build_config({}, [*LORA, "rollout.backend=ray"])
     assert any(d.startswith("rollout.backend") for d in semantic_differences(saved, now))
+    vllm = build_config({}, [*LORA, "rollout.engine=vllm"])
+    requests = build_config({}, [*LORA, "rollout.engine=vllm", "rollout.vllm.lora_requests=true"])
+    assert [d.split(":")[0] for d in semantic_differences(vllm.to_dict(), requests)] == [
+        "rollout.vllm.lora_requests"  # versions kept as merged weights, or as adapters
+    ]
     full = build_config({}, []).to_dict()  # without adapters it may
     assert semantic_differences(full, build_config({}, ["rollout.backend=ray"])) == []
 
@@ -272,3 +277,36 @@ def test_the_engine_keeps_only_the_last_logits_of_a_prompt_with_adapters():
 def test_an_adapter_on_a_tied_output_layer_is_refused():
     with pytest.raises(ConfigError, match=r"model\.lora\.target_modules: the output layer is tied"):
         lora_policy("model.lora.target_modules=lm_head,q_proj")
+
+
+def test_which_engines_apply_the_adapters_themselves():
+    """The torch engine in this process and vLLM with LoRA requests get the adapters alone
+    (over a base they hold once); vLLM without the key, Ray workers and merge_for_generation
+    get merged weights."""
+    from asyncrl.models.lora import adapters_in_engine
+
+    cases = {
+        (): True,
+        ("rollout.engine=vllm",): False,
+        ("rollout.engine=vllm", "rollout.vllm.lora_requests=true"): True,
+        ("rollout.engine=vllm", "rollout.vllm.lora_requests=true", "rollout.backend=ray"): False,
+        ("rollout.backend=ray",): False,
+        ("model.lora.merge_for_generation=true",): False,
+    }
+    for extra, expected in cases.items():
+        assert adapters_in_engine(build_config({}, [*LORA, *extra])) is expected, extra
+    assert not adapters_in_engine(build_config({}, ["rollout.vllm.lora_requests=true"]))
+
+
+def test_split_generation_weights_gives_the_base_names_and_peft_adapter_names():
+    from asyncrl.models.lora import split_generation_weights
+
+    policy, base, _ = lora_policy()
+    plain, adapters = split_generation_weights(generation_weights(policy.model, merged=False))
+    assert set(plain) == set(base)
+    assert all(torch.equal(plain[k], base[k]) for k in base)
+    saved = {k for k in policy.model.state_dict() if "lora_" in k}
+    assert len(adapters) == len(saved) > 0
+    for name in adapters:  # PeftModel.save_pretrained's names: no adapter name in them
+        assert name.startswith("base_model.model.") and ".default." not in name
+        assert name.endswith((".lora_A.weight", ".lora_B.weight"))

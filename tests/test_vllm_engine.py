@@ -4,6 +4,7 @@ weight update; seeds; EOS; continued samples; deterministic mode refused with th
 
 import os
 import random
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -173,3 +174,66 @@ def test_deterministic_mode_is_refused_at_start_with_the_reason():
     with pytest.raises(ConfigError, match=r"batch invariant noise.*batch it lands in"):
         check_engine(small_config("rollout.engine=vllm", "run.deterministic=true"))
     check_engine(small_config("rollout.engine=vllm"))  # the same without determinism is fine
+
+
+def test_lora_requests_serve_each_versions_adapters_over_a_base_loaded_once():
+    """`rollout.vllm.lora_requests`: the engine loads the frozen base once and each version's
+    adapters as a LoRA request. Its log-probs are the adapted model's (fp32 tolerance), not
+    the base's (negative control); a new version's adapters replace the old; an older kept
+    version is served again on request; the adapters on disk are peft's format, one version."""
+    from asyncrl.models.lora import apply_lora, generation_weights
+    from asyncrl.rollout.vllm_engine import VLLMGenerationEngine
+
+    config = small_config("model.lora.rank=4", "model.lora.alpha=8")
+    policy = load_policy(config.model, seed=0, alphabet=DIGITS)
+    apply_lora(policy, config.model, 0)
+    model = policy.model
+
+    def new_adapters(seed: int) -> None:
+        generator = torch.Generator().manual_seed(seed)
+        with torch.no_grad():
+            for name, param in model.named_parameters():
+                if "lora_B" in name:  # a new adapter's B is 0: it would compute the base
+                    param.copy_(torch.randn(param.shape, generator=generator) * 0.5)
+
+    weights = CopyWeightSync(max_versions=2)
+    new_adapters(1)
+    weights.publish(0, generation_weights(model, merged=False))
+    spec = EngineSpec(
+        model, policy.eos_id, policy.pad_id, 8, 0.8,
+        options={"kv_cache_bytes": 32 << 20, "max_num_seqs": 64},
+    )  # fmt: skip
+    engine = VLLMGenerationEngine(spec, weights)
+    prompts = [encode(policy, "31524="), encode(policy, "90817=")]
+    requests = [GenerationRequest(p, 4, noise_seed=11 + i) for i, p in enumerate(prompts)]
+
+    def gap_to(version_outputs, adapters_on=True):
+        if adapters_on:
+            return max_gap(model, prompts, version_outputs)
+        with model.disable_adapter():
+            return max_gap(model, prompts, version_outputs)
+
+    first = engine.generate(requests)
+    assert all(o.weights_version == 0 for o in first)
+    assert gap_to(first) <= 1e-4
+    assert gap_to(first, adapters_on=False) > 1e-2  # the adapters were applied
+    assert engine._lora is not None
+    root = Path(engine._lora.root)
+    assert sorted(p.name for p in root.iterdir()) == ["v0"]
+    files = {f.name for f in (root / "v0").iterdir()}
+    assert {"adapter_config.json", "adapter_model.safetensors"} <= files
+
+    v0 = {k: v.clone() for k, v in model.state_dict().items() if "lora_" in k}
+    new_adapters(2)
+    weights.publish(1, generation_weights(model, merged=False))
+    second = engine.generate(requests)
+    assert all(o.weights_version == 1 for o in second)
+    assert gap_to(second) <= 1e-4
+    model.load_state_dict(v0, strict=False)  # the trainer's adapters back at version 0 ...
+    assert gap_to(second) > 1e-2  # ... do not explain version 1's samples
+    pinned = engine.generate(requests, version=0)  # an older kept version, served again
+    assert all(o.weights_version == 0 for o in pinned)
+    assert gap_to(pinned) <= 1e-4
+    # three versions loaded, the base reloaded into vLLM once (the adapters are files)
+    assert engine.metrics()["engine_weight_updates"] == 3
+    assert engine._lora.base_loaded

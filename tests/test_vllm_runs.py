@@ -119,3 +119,46 @@ def test_async_vllm_run_killed_mid_generation_resumes_losslessly_and_learns(tmp_
     last = [r["reward_mean"] for r in records if r["step"] >= 30]
     assert sum(last) / len(last) > sum(first) / len(first) + 0.03
     assert all("offpolicy_kl" in r and "is_ratio_mean" in r for r in records)
+
+
+LORA_REQUESTS = ["model.lora.rank=4", "model.lora.alpha=8", "rollout.vllm.lora_requests=true"]
+
+
+def test_lora_requests_run_trains_on_vllms_logprobs_and_resumes_after_a_kill(tmp_path):
+    """LoRA with `rollout.vllm.lora_requests`: synchronous (A=0), every step's tokens were
+    sampled through that version's adapters, so vLLM's log-probs are the trainer's adapted
+    model's to fp32 tolerance — a stale adapter, or the base alone, would not be once the
+    adapters have trained. Then async with chunked generation, SIGKILLed mid-generation after
+    the first checkpoint: the resume continues its partial samples through the adapters of
+    their versions and the run audits."""
+    sync = tmp_path / "sync"
+    run_to_end(
+        sync, *LORA_REQUESTS, "run.max_num_steps=5", "rollout.max_trajectory_age_steps=0",
+        "algo.lr=3e-3",
+    )  # fmt: skip
+    records = read_records(sync / "metrics.jsonl")
+    assert [r["step"] for r in records] == list(range(5))
+    for r in records:
+        assert r["mismatch_tokens"] == r["num_tokens"] > 0
+        assert r["mismatch_max_abs_diff"] <= 1e-4, r
+        assert r["generation_version_min"] == r["generation_version_max"] == r["step"]
+    assert audit_run_dir(sync).ok
+
+    run = tmp_path / "async"
+    extra = [*LORA_REQUESTS, "run.max_num_steps=12", "rollout.chunk_tokens=2",
+             "checkpoint.save_period=4"]  # fmt: skip
+    fault = "checkpoint.parent_fsynced>engine.decode_step:3"
+    killed = subprocess.run(
+        command(run, *extra),
+        env={**os.environ, "ASYNCRL_FAULT": fault},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert killed.returncode == -signal.SIGKILL, f"{fault} never reached: {killed.stderr[-3000:]}"
+    saved = inspect_run_dir(run)
+    assert saved["checkpoint"] is not None
+    run_to_end(run, *extra)
+    report = audit_run_dir(run)
+    assert report.ok, report.violations
+    assert sorted({r["step"] for r in read_records(run / "metrics.jsonl")}) == list(range(12))

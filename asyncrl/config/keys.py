@@ -133,7 +133,7 @@ def _saved_value(before: dict[str, Any], key: str) -> Any:
     return PREDATED[key](before) if key in PREDATED else _default(key)
 
 
-LORA_FIXED = ("rollout.engine", "rollout.backend")
+LORA_FIXED = ("rollout.engine", "rollout.backend", "rollout.vllm.lora_requests")
 """Keys that may change on resume, but not in a LoRA run: the older weights versions its
 checkpoint keeps are in the form that engine and backend load (the adapters alone, or merged
 weights under the base model's names; `asyncrl.models.lora.adapters_in_engine`)."""

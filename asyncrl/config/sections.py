@@ -73,6 +73,12 @@ class VLLMConfig:
     """Run vLLM's engine core in a process of its own (vLLM's default; ~15 s start-up on CPU;
     each weights update then goes through a safetensors file) instead of in the generation
     thread (~5 s; as TRL's colocated mode)."""
+    lora_requests: bool = field(default=False, metadata=MAY_CHANGE)
+    """A LoRA run (`model.lora.rank` > 0) in this process: vLLM loads the frozen base once and
+    serves each weights version's adapters as a LoRA request of its own (`enable_lora`; the
+    adapters written to a directory per version, megabytes), instead of reloading the merged
+    weights of every version (`false`). May not change on a LoRA run's resume. Measured in
+    `benchmarks/vllm_lora.py` (docs/lora.md#vllm)."""
 
     def validate(self) -> None:
         for key in ("kv_cache_bytes", "max_model_len"):

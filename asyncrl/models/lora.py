@@ -17,6 +17,7 @@ weights are frozen, only the adapters train. What changes downstream:
 from __future__ import annotations
 
 import hashlib
+import re
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -96,6 +97,28 @@ def base_sha256(config: ModelConfig, model: nn.Module) -> str:
         digest.update(name.encode())
         digest.update(tensor.detach().float().cpu().contiguous().numpy().tobytes())
     return digest.hexdigest()[:16]
+
+
+ADAPTER_KEY = re.compile(r"^(?:base_model\.model\.)?(.*\.lora_[AB])\.[^.]+\.weight$")
+
+
+def split_generation_weights(
+    state: dict[str, torch.Tensor],
+) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """A wrapped model's `generation_weights(merged=False)` as (the base's weights under the
+    base model's own names, the adapters under the names `PeftModel.save_pretrained` writes:
+    `base_model.model.<module>.lora_A.weight`), for an engine that loads the base once and the
+    adapters per version (vLLM's LoRA requests)."""
+    base, adapters = {}, {}
+    for name, tensor in state.items():
+        match = ADAPTER_KEY.match(name)
+        if match:
+            adapters[f"base_model.model.{match.group(1)}.weight"] = tensor
+            continue
+        plain = _plain_name(name.removeprefix("base_model.model."))
+        if plain is not None:
+            base[plain] = tensor
+    return base, adapters
 
 
 def apply_lora(policy: Any, config: ModelConfig, seed: int) -> None:
@@ -205,12 +228,16 @@ def merged_weights(model: nn.Module) -> dict[str, torch.Tensor]:
 
 
 def adapters_in_engine(config: Config) -> bool:
-    """Whether generation runs peft's forward on the frozen base itself (the torch engine in
-    this process: `rollout.engine=torch`, `rollout.backend=threads`), sharing the trainer's
-    base weights; otherwise (vLLM, Ray workers, `model.lora.merge_for_generation`) it loads
-    the merged weights of each version."""
+    """Whether generation applies the adapters itself on the frozen base, in this process
+    (`rollout.backend=threads`): the torch engine runs peft's forward on the trainer's own base
+    weights, vLLM with `rollout.vllm.lora_requests` serves them as LoRA requests over a base
+    it loads once. Otherwise (vLLM without it, Ray workers, `model.lora.merge_for_generation`)
+    generation loads the merged weights of each version."""
     rollout, lora = config.rollout, config.model.lora
-    in_process = rollout.engine == "torch" and rollout.backend == "threads"
+    engine_does = rollout.engine == "torch" or (
+        rollout.engine == "vllm" and rollout.vllm.lora_requests
+    )
+    in_process = engine_does and rollout.backend == "threads"
     return bool(lora.rank) and in_process and not lora.merge_for_generation
 
 

@@ -17,6 +17,13 @@ prefix cache is reset, since a cached prefix would otherwise give log-probs of t
 weights. Loading an older version on request is what `pinned_versions` means here; it costs a
 reload each time the version changes.
 
+LoRA (`model.lora.*` with `rollout.vllm.lora_requests`): the batch that first loads weights
+loads the frozen base (reload as above); every version's adapters are then written to a
+directory of their own (peft's format, megabytes) and a batch of that version is one
+`LoRARequest` (id = version + 1), which vLLM loads into its adapter slots and applies with its
+LoRA kernels; its prefix cache is per adapter, so nothing is reset. Without the key a LoRA
+run's versions come merged, like any fully trained model's.
+
 Deterministic mode is refused: vLLM's batched kernels (and its scheduler's batch shapes) change
 a request's logits with the batch it lands in, so its samples are not batch-invariant bitwise.
 """
@@ -39,6 +46,12 @@ import torch
 
 from asyncrl.core.seeds import continued_seed
 from asyncrl.faults import fault_point
+from asyncrl.models.lora import (
+    base_module,
+    is_lora,
+    plain_state_dict,
+    split_generation_weights,
+)
 from asyncrl.rollout.engine import (
     EngineCapabilities,
     EngineSpec,
@@ -87,11 +100,14 @@ class VLLMGenerationEngine:
         self._dir = tempfile.mkdtemp(prefix="asyncrl-vllm-", dir=spec.scratch_dir or None)
         weakref.finalize(self, shutil.rmtree, self._dir, ignore_errors=True)
         self._in_process = not options.get("multiprocessing")
+        plain: Any = base_module(spec.model)  # a LoRA model's base (adapters injected)
         if self._in_process:  # the architecture only: vLLM starts on dummy weights, and the
             # first `generate` loads the version it asks for (no copy of the model on disk)
-            spec.model.config.save_pretrained(self._dir)
+            plain.config.save_pretrained(self._dir)
         else:  # vLLM's engine process reloads from files, which its dummy format refuses
-            spec.model.save_pretrained(self._dir, safe_serialization=True)
+            plain.save_pretrained(
+                self._dir, state_dict=plain_state_dict(spec.model), safe_serialization=True
+            )
         # vLLM stops on every eos id of the generation config (instruct models list several);
         # asyncrl's samples end at `eos_id` only, as the torch engine's do
         generation = {"eos_token_id": spec.eos_id, "pad_token_id": spec.pad_id}
@@ -103,6 +119,11 @@ class VLLMGenerationEngine:
         if not self._in_process:
             os.makedirs(self._reload_dir)
             shutil.copy(os.path.join(self._dir, "config.json"), self._reload_dir)
+        # a LoRA model comes wrapped only where the adapters are applied here (lora_requests;
+        # `asyncrl.models.lora.adapters_in_engine`), else as the plain model, weights merged
+        self._lora = _Adapters(spec.model, self._dir) if is_lora(spec.model) else None
+        if self._lora is not None:
+            options["max_lora_rank"] = self._lora.max_rank
         self.llm = _start_llm(self._dir, spec, options)
         self._counters["engine_start_s"] = time.perf_counter() - started
 
@@ -114,7 +135,14 @@ class VLLMGenerationEngine:
         if state is not None:
             started = time.perf_counter()
             self._loaded = None  # a reload that fails halfway leaves no version loaded
-            self.load_weights(state)
+            if self._lora is None:
+                self.load_weights(state)
+            else:
+                base, adapters = split_generation_weights(state)
+                if not self._lora.base_loaded:  # frozen: the same in every version
+                    self.load_weights(base)
+                    self._lora.base_loaded = True
+                self._lora.write(wanted, adapters)
             self._counters["engine_weight_updates"] += 1
             self._counters["engine_weight_update_s"] += time.perf_counter() - started
             self._loaded = wanted
@@ -176,7 +204,10 @@ class VLLMGenerationEngine:
                 seed = continued_seed(request.noise_seed, i, len(prefixes[i]))
                 params.append(self._params(1, seed, budget))
                 where.append((index, [i]))
-        results = self.llm.generate(prompts, params, use_tqdm=False) if prompts else []
+        lora = self._lora.request(version) if self._lora is not None else None
+        results = (
+            self.llm.generate(prompts, params, use_tqdm=False, lora_request=lora) if prompts else []
+        )
         fault_point("engine.decode_step")
         per_request: list[dict[int, tuple[list[int], list[float], bool]]] = [{} for _ in requests]
         for (index, samples), result in zip(where, results, strict=True):
@@ -236,6 +267,41 @@ class VLLMGenerationEngine:
         return GenerationOutput(tokens, mask, logprobs, version, finished)
 
 
+VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+"""The `max_lora_rank` values vLLM accepts."""
+
+
+class _Adapters:
+    """A LoRA run's adapters as vLLM takes them: one peft-format directory per weights
+    version (only the one in use is kept on disk; an older version asked for again is written
+    again from the weight sync), served as `LoRARequest(f"v{version}", version + 1, dir)`."""
+
+    def __init__(self, model: Any, root: str) -> None:
+        self.config = model.peft_config["default"]
+        rank = max([self.config.r, *self.config.rank_pattern.values()])
+        self.max_rank = next((r for r in VLLM_LORA_RANKS if r >= rank), rank)
+        self.root = os.path.join(root, "lora")
+        self.base_loaded = False
+        self._written: dict[int, str] = {}
+
+    def write(self, version: int, adapters: dict[str, torch.Tensor]) -> None:
+        from safetensors.torch import save_file
+
+        for old in list(self._written):
+            shutil.rmtree(self._written.pop(old), ignore_errors=True)
+        path = os.path.join(self.root, f"v{version}")
+        os.makedirs(path, exist_ok=True)
+        self.config.save_pretrained(path)
+        tensors = {k: v.detach().to("cpu").contiguous() for k, v in adapters.items()}
+        save_file(tensors, os.path.join(path, "adapter_model.safetensors"))
+        self._written[version] = path
+
+    def request(self, version: int) -> Any:
+        from vllm.lora.request import LoRARequest
+
+        return LoRARequest(f"v{version}", version + 1, self._written[version])
+
+
 def _start_llm(path: str, spec: EngineSpec, options: dict[str, Any]) -> Any:
     """`vllm.LLM` on `path` with `rollout.vllm.*`. In-process (vLLM's engine core runs in the
     calling thread; what TRL's colocated mode does) unless `multiprocessing`; on CPU the
@@ -268,6 +334,8 @@ def _start_llm(path: str, spec: EngineSpec, options: dict[str, Any]) -> Any:
         }
         if not options.get("multiprocessing"):  # every version is loaded by `load_weights`
             kwargs["load_format"] = "dummy"
+        if options.get("max_lora_rank"):  # one adapter in use at a time (a batch's version)
+            kwargs.update(enable_lora=True, max_lora_rank=int(options["max_lora_rank"]))
         if options.get("max_model_len"):
             kwargs["max_model_len"] = int(options["max_model_len"])
         if options.get("kv_cache_bytes"):
