@@ -152,3 +152,16 @@ def test_the_lora_curve_line_takes_the_last_five_steps_and_the_best_lora_lr():
         "correct_last5 full=0.250 lora=0.500 wall_s full=300 lora=260"
     )
     assert moving_mean([0.0, 1.0, 1.0, 1.0, 1.0, 1.0], n=5) == [0.0, 0.5, 2 / 3, 0.75, 0.8, 1.0]
+
+
+def test_vllm_lora_last_line_gives_requests_over_merged_per_size():
+    from vllm_lora import line, ratios
+
+    r = {"publish_ms": 25.4, "update_ms": 87.0, "gen_tok_s": 54.2, "version_s": 38.18}
+    m = {"publish_ms": 1098.0, "update_ms": 558.0, "gen_tok_s": 120.0, "version_s": 19.09}
+    assert line("requests", "smollm2", r) == (
+        "requests smollm2: publish_ms=25 update_ms=87 gen_tok/s=54 version_s=38.18"
+    )
+    assert ratios({"smollm2": {"requests": r, "merged": m}}) == (
+        "vllm_lora: requests/merged smollm2 version_s x2.00 gen_tok/s x0.45"
+    )
