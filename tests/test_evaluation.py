@@ -264,3 +264,39 @@ def test_a_deterministic_resume_on_other_evaluation_prompts_is_refused(tmp_path)
     (resume,) = [e for e in read_records(loose / "events.jsonl") if e["event"] == "resume"]
     saved, now = resume["config_changes"]["eval data"]
     assert (saved["num_rows"], now["num_rows"]) == (6, 7)
+
+
+def test_greedy_only_evaluation_decodes_once_and_the_run_reports_and_plots_it(tmp_path):
+    """`eval.num_samples=0`: each prompt is decoded greedily once (half of k=1's cost), the
+    record has the greedy figures and no sampled ones, and the summary, the terminal line and
+    the plot read it; `num_samples=0` without greedy is refused naming the key."""
+    from asyncrl.cli.plots import figure_eval, run_plot_data
+    from asyncrl.cli.report import end_of_run_report
+    from asyncrl.rollout.evaluation import eval_line
+
+    with pytest.raises(ConfigError, match=r"eval\.num_samples"):
+        build_config({}, ["eval.num_samples=0", "eval.greedy=false"])
+    evaluator, parts = evaluator_of("eval.num_samples=0", "eval.max_examples=6")
+    calls: list[tuple[int, float]] = []
+    run = evaluator._run
+    evaluator._run = lambda v, k, t: calls.append((k, t)) or run(v, k, t)  # type: ignore[method-assign]
+    metrics = evaluator.evaluate(1, parts.algo.policy_weights())
+    assert calls == [(1, 0.0)]  # one greedy pass, nothing sampled
+    assert "eval/reward_mean" not in metrics and not any("pass@" in k for k in metrics)
+    assert metrics["eval/num_examples"] == 6 and metrics["eval/greedy_pass"] >= 0
+    assert metrics["eval/completion_tokens"] > 0
+    assert "greedy=" in eval_line({"step": 3, **metrics})
+
+    out = tmp_path / "run"
+    config = small_config(
+        "eval.every_steps=2", "eval.max_examples=8", "eval.num_samples=0", "run.max_num_steps=3"
+    )
+    train(config, out)
+    records = [r for r in read_records(out / "metrics.jsonl") if "eval/num_examples" in r]
+    assert [r["step"] for r in records] == [1, 2]
+    figure = figure_eval(run_plot_data(out)[0])
+    lines = {line.get_label(): line for line in figure.axes[0].get_lines()}
+    assert list(lines["greedy_pass"].get_xdata()) == [0, 2, 3]  # the initial weights too
+    assert "reward_mean" not in lines
+    summary = end_of_run_report(out, plot=False)
+    assert "greedy" in summary and "before training" in summary

@@ -42,7 +42,7 @@ class Summary:
         self.stale[t] = t - r["generation_version_min"]
         for key, column in self.seconds.items():
             column[t] = r[key]
-        if "eval/reward_mean" in r:
+        if "eval/num_examples" in r:
             self.evals[t] = _eval_fields(r)
         else:
             self.evals.pop(t, None)
@@ -123,7 +123,8 @@ def _eval_lines(first: dict[str, Any] | None, last: dict[str, Any] | None) -> li
         passes = f", {k[5:]} {r[k]:.3f}" if k in r else ""
         greedy = f", greedy {r['eval/greedy_pass']:.3f}" if "eval/greedy_pass" in r else ""
         when = "before training" if r["step"] < 0 else f"after step {r['step']}"
-        return f"reward {r['eval/reward_mean']:.3f}{passes}{greedy} {when}"
+        reward = f"reward {r['eval/reward_mean']:.3f}" if "eval/reward_mean" in r else ""
+        return f"{reward}{passes}{greedy} {when}".lstrip(", ")
 
     return [f"  eval          {result(first)}  ->  {result(last)}"]
 

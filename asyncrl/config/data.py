@@ -110,7 +110,9 @@ class EvalConfig:
     max_examples: int = field(default=0, metadata=MAY_CHANGE)
     """Evaluate on the first this many rows; 0: all of them."""
     num_samples: int = field(default=4, metadata=MAY_CHANGE)
-    """k: samples per prompt at `eval.temperature`, for `eval/pass@k` and `eval/reward_mean`."""
+    """k: samples per prompt at `eval.temperature`, for `eval/pass@k` and `eval/reward_mean`;
+    0 with `greedy`: the greedy decode alone (half the cost of k=1; `eval/reward/NAME` are then
+    the greedy completions')."""
     temperature: float = field(default=1.0, metadata=MAY_CHANGE)
     """Sampling temperature of the k samples."""
     greedy: bool = field(default=True, metadata=MAY_CHANGE)
@@ -124,6 +126,11 @@ class EvalConfig:
     def validate(self) -> None:
         for key in ("every_steps", "max_examples"):
             require(getattr(self, key) >= 0, f"eval.{key}", getattr(self, key), ">= 0")
-        for key in ("num_samples", "batch_prompts"):
-            require(getattr(self, key) >= 1, f"eval.{key}", getattr(self, key), ">= 1")
+        require(self.batch_prompts >= 1, "eval.batch_prompts", self.batch_prompts, ">= 1")
+        require(
+            self.num_samples >= 1 or (self.num_samples == 0 and self.greedy),
+            "eval.num_samples",
+            self.num_samples,
+            ">= 1 (0 only with eval.greedy=true: the greedy decode alone)",
+        )
         require(self.temperature > 0, "eval.temperature", self.temperature, "> 0")

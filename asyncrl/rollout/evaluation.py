@@ -14,8 +14,9 @@ sample among k), `eval/greedy_reward`, `eval/greedy_pass`, `eval/reward/NAME` pe
 component, `eval/completion_tokens`, `eval/reward_failures` (reward calls that failed: their
 samples count 0 and do not pass), `eval/num_examples`, `eval/seconds`, and the standard errors
 over prompts of pass@1 and the greedy pass rate (`eval/stderr/pass@1`,
-`eval/stderr/greedy_pass`). With `eval.at_start` the initial weights are evaluated too, before
-the first step (an `eval` event with `version` 0).
+`eval/stderr/greedy_pass`). `eval.num_samples=0` decodes greedily only (no `eval/reward_mean`
+or `eval/pass@...`; every evaluation has `eval/num_examples`). With `eval.at_start` the
+initial weights are evaluated too, before the first step (an `eval` event with `version` 0).
 """
 
 from __future__ import annotations
@@ -142,12 +143,17 @@ class Evaluator:
         start = time.perf_counter()
         self.weights.publish(version, weights)
         k = self.config.num_samples
-        sampled = self._run(version, k, self.config.temperature)
-        metrics = self._summary(sampled, k)
+        metrics = {"eval/reward_failures": 0.0}
+        if k:
+            metrics = self._summary(self._run(version, k, self.config.temperature), k)
         if self.config.greedy:
             greedy = self._run(version, 1, 0.0)
             rewards = torch.cat([p.rewards for p in greedy])
             passes = torch.cat([self._passes(p) for p in greedy])
+            if not k:  # the greedy decode alone: its completions' counts and components
+                metrics = {**self._summary(greedy, 1), **metrics}
+                for key in ("eval/reward_mean", "eval/pass@1", "eval/stderr/pass@1"):
+                    metrics.pop(key)  # sampled figures: there are none
             metrics["eval/greedy_reward"] = float(rewards.mean())
             metrics["eval/greedy_pass"] = float(passes.float().mean())
             metrics["eval/stderr/greedy_pass"] = standard_error(passes.float())
@@ -245,8 +251,9 @@ def eval_line(record: Mapping[str, float]) -> str:
         f"{key[5:]}={record[key]:.3f}" for key in record if key.startswith("eval/pass@")
     )
     greedy = f" greedy={record['eval/greedy_reward']:.3f}" if "eval/greedy_reward" in record else ""
+    reward = f"reward={record['eval/reward_mean']:.3f} " if "eval/reward_mean" in record else ""
     when = "of the initial weights" if record["step"] < 0 else f"after step {record['step']}"
     return (
-        f"eval {when}: reward={record['eval/reward_mean']:.3f} {passes}"
-        f"{greedy} ({int(record['eval/num_examples'])} prompts, {record['eval/seconds']:.1f} s)"
-    )
+        f"eval {when}: {reward}{passes}{greedy} ({int(record['eval/num_examples'])} prompts, "
+        f"{record['eval/seconds']:.1f} s)"
+    ).replace(":  ", ": ")

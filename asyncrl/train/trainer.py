@@ -299,7 +299,7 @@ class Trainer:
                 self._evaluate(0)
             while self.step < self.config.run.max_num_steps:
                 record = self.train_step()
-                if "eval/reward_mean" in record:
+                if "eval/num_examples" in record:
                     tqdm.write(eval_line(record), file=sys.stderr)
                 progress.set_postfix_str(self._postfix(record), refresh=False)
                 progress.update(1)
