@@ -127,3 +127,31 @@ def test_ppo_on_cuda_with_micro_batches_steps(tmp_path):
     metrics = parts.algo.step(groups_of(parts, 2), 0)
     assert torch.isfinite(torch.tensor(metrics["loss"]))
     assert next(parts.algo.critic.parameters()).is_cuda
+
+
+def test_train_dtype_auto_is_bf16_only_where_the_device_has_it(monkeypatch):
+    """`train.dtype=auto`: bf16 on a device that multiplies it natively, fp32 elsewhere (an
+    AVX2-only CPU runs bf16 matmuls through a slow fallback); the start line says which; the
+    algorithm's passes use the resolved dtype."""
+    from asyncrl.models import device as dev
+
+    cpu = torch.device("cpu")
+    assert dev.resolve_train_dtype("bfloat16", cpu) == "bfloat16"
+    assert dev.resolve_train_dtype("float32", cpu) == "float32"
+    assert dev.dtype_line("float32", cpu) is None
+    for native, chosen in ((True, "bfloat16"), (False, "float32")):
+        monkeypatch.setattr(dev, "native_bf16", lambda device, n=native: n)
+        assert dev.resolve_train_dtype("auto", cpu) == chosen
+        assert f"-> {chosen}" in (dev.dtype_line("auto", cpu) or "")
+    monkeypatch.setattr(dev, "native_bf16", lambda device: False)
+    from helpers import DIGITS
+
+    from asyncrl.algos.grpo import GRPO
+    from asyncrl.config.keys import build_config
+    from asyncrl.models.policy import load_policy
+
+    config = small_config("train.dtype=auto")
+    policy = load_policy(config.model, 0, DIGITS)
+    assert GRPO(policy, config).dtype == "float32"
+    with pytest.raises(ConfigError, match=r"train\.dtype"):
+        build_config({}, ["train.dtype=float16"])

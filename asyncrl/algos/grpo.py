@@ -42,7 +42,7 @@ from asyncrl.core.losses import (
     truncated_is_weights,
 )
 from asyncrl.core.types import Group
-from asyncrl.models.device import autocast, model_device
+from asyncrl.models.device import autocast, model_device, resolve_train_dtype
 from asyncrl.models.lora import (
     adapters_in_engine,
     generation_weights,
@@ -67,7 +67,7 @@ class GRPO:
         self.merge_adapters = not adapters_in_engine(config)  # LoRA: what generation loads
         self.pad_id = policy.pad_id
         self.device = model_device(policy.model)
-        self.dtype = config.train.dtype
+        self.dtype = resolve_train_dtype(config.train.dtype, self.device)
         self.micro_batch_size = config.train.micro_batch_size
         self.shared_prompts = config.train.shared_prompts
         # built before any checkpoint is loaded: a copy of the policy's initial weights

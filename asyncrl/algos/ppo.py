@@ -55,7 +55,7 @@ from asyncrl.core.losses import (
 )
 from asyncrl.core.types import Group
 from asyncrl.models.critic import build_critic, completion_values
-from asyncrl.models.device import autocast, model_device, place
+from asyncrl.models.device import autocast, model_device, place, resolve_train_dtype
 from asyncrl.models.lora import (
     adapters_in_engine,
     generation_weights,
@@ -128,7 +128,7 @@ class PPO:
         opt: PPOOptions = algo.options
         self.model = policy.model
         self.device = model_device(policy.model)
-        self.dtype = config.train.dtype
+        self.dtype = resolve_train_dtype(config.train.dtype, self.device)
         self.micro_batch_size = config.train.micro_batch_size
         self.shared_prompts = config.train.shared_prompts
         self.max_new_tokens = config.rollout.max_new_tokens

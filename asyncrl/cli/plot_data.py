@@ -123,7 +123,7 @@ def read_plot_data(
     for r in metrics:
         t = int(r["step"])
         data.steps.add(t, tuple(r.get(k) for k in STEP_FIELDS))
-        if "eval/num_examples" in r:
+        if any(key.startswith("eval/") for key in r):  # an evaluated step
             data.evals.add(t, {k: v for k, v in r.items() if k.startswith("eval/")})
         else:  # a step retrained without evaluation: its last record counts
             data.evals.rows.pop(t, None)

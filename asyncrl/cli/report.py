@@ -42,7 +42,7 @@ class Summary:
         self.stale[t] = t - r["generation_version_min"]
         for key, column in self.seconds.items():
             column[t] = r[key]
-        if "eval/num_examples" in r:
+        if any(key.startswith("eval/") for key in r):  # an evaluated step
             self.evals[t] = _eval_fields(r)
         else:
             self.evals.pop(t, None)

@@ -221,10 +221,14 @@ class TrainConfig:
     device: str = field(default="cpu", metadata=MAY_CHANGE_UNLESS_DETERMINISTIC)
     """Where the policy (and PPO's critic and the KL reference) train: `cpu`, `cuda` or
     `cuda:N`. Weights and optimizer state stay fp32 there (see `train.dtype`)."""
-    dtype: Literal["float32", "bfloat16"] = "float32"
+    dtype: Literal["float32", "bfloat16", "auto"] = "float32"
     """Compute precision of the forward and backward passes. `bfloat16` is mixed precision as
     FSDP and torchtitan users know it: fp32 master weights, gradients and Adam moments, bf16
-    matmuls under `torch.autocast`; log-probs, losses and the optimizer in fp32."""
+    matmuls under `torch.autocast`; log-probs, losses and the optimizer in fp32. `auto`:
+    `bfloat16` where `train.device` multiplies bf16 natively (a GPU that supports it; a CPU
+    with avx512_bf16 or AMX, as oneDNN reports), `float32` elsewhere — a CPU without them
+    runs bf16 matmuls through a slow fallback (measured ~20x slower a training step here);
+    the start line says which was chosen."""
     micro_batch_size: int = field(default=0, metadata=MAY_CHANGE_UNLESS_DETERMINISTIC)
     """Sequences per forward/backward pass; 0 = the whole step (or PPO minibatch) at once.
     Losses are masked sums over the step's normaliser, so the gradient does not depend on it

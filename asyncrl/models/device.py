@@ -29,6 +29,33 @@ def resolve_device(key: str, name: str) -> torch.device:
     return device
 
 
+def native_bf16(device: torch.device) -> bool:
+    """Whether `device` multiplies bf16 natively: a CUDA GPU that supports it, or a CPU with
+    avx512_bf16 / AMX (oneDNN's check). Elsewhere bf16 matmuls take a slow fallback."""
+    if device.type == "cuda":
+        return bool(torch.cuda.is_available() and torch.cuda.is_bf16_supported())
+    if device.type == "cpu":
+        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    return False
+
+
+def resolve_train_dtype(dtype: str, device: torch.device) -> str:
+    """`train.dtype` as the passes run it: `auto` is `bfloat16` where `device` has native bf16
+    (`native_bf16`), `float32` elsewhere; the others as given."""
+    if dtype != "auto":
+        return dtype
+    return "bfloat16" if native_bf16(device) else "float32"
+
+
+def dtype_line(dtype: str, device: torch.device) -> str | None:
+    """The start line that says what `train.dtype=auto` chose on `device`, and why."""
+    if dtype != "auto":
+        return None
+    chosen = resolve_train_dtype(dtype, device)
+    has = "has" if chosen == "bfloat16" else "has no"
+    return f"asyncrl: train.dtype=auto -> {chosen} ({device.type} {has} native bf16 matmuls)"
+
+
 @contextlib.contextmanager
 def autocast(device: torch.device, dtype: str) -> Iterator[None]:
     """Mixed precision for forward passes: bf16 compute over fp32 weights under

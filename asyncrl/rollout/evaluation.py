@@ -245,6 +245,11 @@ def standard_error(per_prompt: torch.Tensor) -> float:
     return float(per_prompt.std(unbiased=True) / n**0.5) if n > 1 else 0.0
 
 
+def is_eval_record(record: Mapping[str, object]) -> bool:
+    """Whether a step record holds an evaluation (a greedy-only one has no `eval/reward_mean`)."""
+    return any(key.startswith("eval/") for key in record)
+
+
 def eval_line(record: Mapping[str, float]) -> str:
     """One line for the terminal: a step record's evaluation results."""
     passes = " ".join(

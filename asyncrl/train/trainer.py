@@ -46,9 +46,10 @@ from asyncrl.config.keys import benign_differences, config_hash
 from asyncrl.core.buffer import tokens_per_group
 from asyncrl.core.resume import ResumePlan, plan_resume
 from asyncrl.faults import cut_facts, fault_point
+from asyncrl.models.device import dtype_line, model_device
 from asyncrl.models.lora import check_base, checkpoint_part, save_final
 from asyncrl.rollout.collector import Chunk, GenerationFailed
-from asyncrl.rollout.evaluation import eval_line
+from asyncrl.rollout.evaluation import eval_line, is_eval_record
 from asyncrl.train.components import build_components
 from asyncrl.train.ranks import (
     COLLECTIVE_DEATH_WAIT_S,
@@ -273,6 +274,9 @@ class Trainer:
         after writing a checkpoint if a stop signal arrived."""
         self.resume()
         record_launch(self.run)
+        chosen = dtype_line(self.config.train.dtype, model_device(self.parts.policy.model))
+        if chosen:
+            print(chosen)
         self.logs.events.emit(
             "start",
             attempt=self.attempt,
@@ -299,7 +303,7 @@ class Trainer:
                 self._evaluate(0)
             while self.step < self.config.run.max_num_steps:
                 record = self.train_step()
-                if "eval/num_examples" in record:
+                if is_eval_record(record):
                     tqdm.write(eval_line(record), file=sys.stderr)
                 progress.set_postfix_str(self._postfix(record), refresh=False)
                 progress.update(1)
