@@ -64,6 +64,11 @@ RANK_POINTS = (
 )
 """Points in the trainer's other ranks (`train.num_processes` > 1; every such rank counts its
 own passes): rank 0 sees the rank die (tests/test_data_parallel_runs.py)."""
+EPISODE_POINTS = (
+    "episode.env_step",  # an environment answered a turn, its reply not yet in the sample
+)
+"""Points of multi-turn runs (`env.name`) in the trainer's process
+(tests/test_episode_crash.py)."""
 FACTS: dict[str, tuple[str, ...]] = {
     **{point: CUT_FACTS for point in POINTS if point.startswith("checkpoint.")},
     "train.optimizer_step": ("step",),
@@ -103,8 +108,8 @@ def parse(spec: str) -> tuple[Stage, ...]:
         if match is None:
             raise ValueError(f"ASYNCRL_FAULT: {part!r} is not POINT[FACT,FACT=V]:N")
         point = match["point"]
-        if point not in POINTS + WORKER_POINTS + RANK_POINTS:
-            known = ", ".join(POINTS + WORKER_POINTS + RANK_POINTS)
+        if point not in POINTS + WORKER_POINTS + RANK_POINTS + EPISODE_POINTS:
+            known = ", ".join(POINTS + WORKER_POINTS + RANK_POINTS + EPISODE_POINTS)
             raise ValueError(f"ASYNCRL_FAULT: unknown point {point!r}; known: {known}")
         conditions = []
         for condition in filter(None, (c.strip() for c in (match["when"] or "").split(","))):

@@ -30,6 +30,7 @@ FROZEN_CONFIG_KEYS = [
     "data.task", "data.path", "data.split", "data.revision", "data.prompt_key", "data.messages_key",
     "data.answer_key", "data.system_prompt", "data.apply_chat_template", "data.reward_fn",
     "data.format_reward", "data.num_digits", "data.num_examples",
+    "env.name", "env.max_turns", "env.max_episode_tokens",
     "rollout.num_prompts_per_step", "rollout.num_generations_per_prompt",
     "rollout.max_new_tokens", "rollout.temperature", "rollout.max_trajectory_age_steps",
     "rollout.max_generation_failures", "rollout.reward_workers", "rollout.reward_timeout_s",

@@ -76,7 +76,7 @@ class GRPO:
         )
         self.loss_fn = ClippedPolicyLoss(clip_eps=config.algo.clip_eps)
         self._entropy_coef = config.algo.entropy_coef  # the step's: `entropy_coef(advantages)`
-        self.max_new_tokens = config.rollout.max_new_tokens
+        self.max_new_tokens = config.generated_tokens
         ranks.shard(self.model)  # after the reference copied the full initial weights
         if self.reference is not None:
             ranks.shard(self.reference.model)

@@ -131,7 +131,7 @@ class PPO:
         self.dtype = resolve_train_dtype(config.train.dtype, self.device)
         self.micro_batch_size = config.train.micro_batch_size
         self.shared_prompts = config.train.shared_prompts
-        self.max_new_tokens = config.rollout.max_new_tokens
+        self.max_new_tokens = config.generated_tokens
         # built before any checkpoint is loaded: both copy the policy's initial weights
         self.critic = build_critic(policy, config.model, config.run.seed)
         place(self.critic, self.device)

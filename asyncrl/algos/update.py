@@ -38,21 +38,32 @@ def token_versions(group: Group) -> torch.Tensor:
     if group.token_versions is not None:
         return group.token_versions
     versions = torch.full(group.completion_ids.shape, group.version_max, dtype=torch.long)
-    return versions.masked_fill(~group.completion_mask.bool(), -1)
+    return versions.masked_fill(~group.policy_mask.bool(), -1)
 
 
 def stack_groups(groups: list[Group], pad_id: int) -> dict[str, Any]:
     """The step's samples as one batch: prompts (list of B rows), completion ids, mask,
-    behaviour log-probs and token versions [B, T], rewards [N, G]."""
+    behaviour log-probs and token versions [B, T], rewards [N, G]. `completion_mask` marks the
+    trained tokens; where episodes have environment tokens (not trained, but attended to),
+    `token_mask` marks every real token."""
     width = max(g.completion_ids.shape[1] for g in groups)
-    return {
+    batch = {
         "token_versions": pad_right([token_versions(g) for g in groups], width, -1),
         "prompts": [g.prompt_ids for g in groups for _ in range(g.num_generations)],
         "completion_ids": pad_right([g.completion_ids for g in groups], width, pad_id),
-        "completion_mask": pad_right([g.completion_mask for g in groups], width, False),
+        "completion_mask": pad_right([g.policy_mask for g in groups], width, False),
         "behaviour_logprobs": pad_right([g.behaviour_logprobs for g in groups], width, 0.0),
         "rewards": torch.stack([g.rewards for g in groups]),
     }
+    if any(g.loss_mask is not None for g in groups):
+        batch["token_mask"] = pad_right([g.completion_mask for g in groups], width, False)
+    return batch
+
+
+def token_mask(batch: dict[str, Any]) -> torch.Tensor:
+    """[B, T] bool: every real token of a stacked batch (what the model attends to)."""
+    mask: torch.Tensor = batch.get("token_mask", batch["completion_mask"])
+    return mask
 
 
 def to_device(batch: dict[str, Any], device: torch.device) -> dict[str, Any]:
@@ -68,8 +79,9 @@ def select(batch: dict[str, Any], rows: torch.Tensor | slice) -> dict[str, Any]:
     else:
         prompts = [batch["prompts"][i] for i in rows.tolist()]
     out: dict[str, Any] = {"prompts": prompts}
-    for key in ("completion_ids", "completion_mask", "behaviour_logprobs"):
-        out[key] = batch[key][rows]
+    for key in ("completion_ids", "completion_mask", "behaviour_logprobs", "token_mask"):
+        if key in batch:
+            out[key] = batch[key][rows]
     return out
 
 
@@ -131,7 +143,7 @@ def batch_logprobs(
         model,
         batch["prompts"],
         batch["completion_ids"],
-        batch["completion_mask"],
+        token_mask(batch),
         temperature,
         pad_id,
         with_entropy=True,
@@ -283,7 +295,7 @@ class ReferencePolicy:
                 self.model,
                 batch["prompts"],
                 batch["completion_ids"],
-                batch["completion_mask"],
+                token_mask(batch),
                 temperature,
                 pad_id,
                 shared_prompts=self.shared_prompts,

@@ -22,7 +22,9 @@ def inspect_run_dir(run_dir: Path) -> dict[str, Any]:
     if latest is None:
         return {"run_dir": str(run_dir), "checkpoint": None, "rejected": rejected}
     parts, config = read_parts(latest)
-    saved, samples = _saved_ledger(latest, parts, int(config["rollout"]["num_prompts_per_step"]))
+    saved, samples, episodes = _saved_ledger(
+        latest, parts, int(config["rollout"]["num_prompts_per_step"])
+    )
     return {
         "run_dir": str(run_dir),
         "checkpoint": str(latest.path),
@@ -43,6 +45,8 @@ def inspect_run_dir(run_dir: Path) -> dict[str, Any]:
         "partial_samples": {str(k): v for k, v in sorted(samples.items())},
         "buffered_tokens": {str(k): v for k, v in sorted(saved.buffered_tokens.items())},
         "buffered_ordinals": sorted(k for k, _ in saved.buffered),
+        "env_name": config.get("env", {}).get("name", ""),
+        "episodes_in_flight": {str(k): v for k, v in sorted(episodes.items())},
         "resume_cost": {policy: _cost(saved, policy) for policy in POLICIES},
         "rejected": rejected,
     }
@@ -50,9 +54,10 @@ def inspect_run_dir(run_dir: Path) -> dict[str, Any]:
 
 def _saved_ledger(
     latest: Verified, parts: dict[str, Any], n: int
-) -> tuple[SavedLedger, dict[int, dict[str, list[Any]]]]:
-    """The checkpoint's ledger as a resume plans from it, and each in-flight ordinal's partial
-    samples (tokens so far, finished)."""
+) -> tuple[SavedLedger, dict[int, dict[str, list[Any]]], dict[int, list[dict[str, Any]]]]:
+    """The checkpoint's ledger as a resume plans from it, each in-flight ordinal's partial
+    samples (tokens so far, finished), and of a multi-turn run its episodes (per sample: turns
+    taken, tokens, done, the environment steps recorded, and whether its state is saved)."""
     buffered = [
         (g["ticket"]["ordinal"], g["ticket"]["target_step"]) for g in parts["buffer"]["groups"]
     ]
@@ -65,6 +70,20 @@ def _saved_ledger(
         }
         for k, p in decoded["ledger"].get("partial", {}).items()
     }
+    episodes = {
+        int(k): [
+            {
+                "turns": len(e["turns"]),
+                "tokens": samples[int(k)]["lengths"][i],
+                "done": bool(e["done"]),
+                "step_ids": [t["step_id"] for t in e["turns"]],
+                "env_state_saved": e.get("env_state") is not None,
+            }
+            for i, e in enumerate(p["episodes"])
+        ]
+        for k, p in decoded["ledger"].get("partial", {}).items()
+        if "episodes" in p
+    }
     saved = SavedLedger(
         int(parts["trainer"]["step"]),
         n,
@@ -73,8 +92,9 @@ def _saved_ledger(
         buffered,
         partial_tokens={k: sum(v["lengths"]) for k, v in samples.items()},
         buffered_tokens=tokens_per_group(decoded["buffer"]),
+        partial_turns={k: sum(e["turns"] for e in v if not e["done"]) for k, v in episodes.items()},
     )
-    return saved, samples
+    return saved, samples, episodes
 
 
 def _per_target(saved: SavedLedger) -> dict[str, dict[str, Any]]:
@@ -98,6 +118,9 @@ def _cost(saved: SavedLedger, policy: ResumePolicy) -> dict[str, Any]:
         "groups_continued": len(plan.continued),
         "kept_tokens": plan.kept_tokens,
         "regenerated_tokens": plan.regenerated_tokens,
+        "turns_kept": plan.turns_kept,
+        "turns_regenerated": plan.turns_regenerated,
+        "tool_calls_repeated": plan.tool_calls_repeated,
         "messages": plan.messages,
     }
 
@@ -134,14 +157,26 @@ def render(info: dict[str, Any]) -> None:
     if info["partial_tokens"]:
         listed = ", ".join(f"{k}: {v}" for k, v in info["partial_tokens"].items())
         console.print(f"partial generations (tokens so far): {listed}")
+    if info["episodes_in_flight"]:
+        console.print(f"episodes in flight (env.name={info['env_name']}):")
+        for k, samples in info["episodes_in_flight"].items():
+            listed = ", ".join(
+                "done" if e["done"] else f"turn {e['turns'] + 1} at {e['tokens']} tokens"
+                for e in samples
+            )
+            console.print(f"  ordinal {k}: {listed}")
     costs = Table(title="what resuming this checkpoint costs")
     columns = (
         "policy", "prompts skipped", "finished groups discarded", "groups regenerated",
         "groups continued", "tokens kept", "tokens regenerated",
     )  # fmt: skip
+    episodes = bool(info["env_name"])
+    if episodes:
+        columns = (*columns, "turns regenerated", "tool calls repeated")
     for column in columns:
         costs.add_column(column, justify="right")
     for policy, cost in info["resume_cost"].items():
+        turns = (str(cost["turns_regenerated"]), str(cost["tool_calls_repeated"]))
         costs.add_row(
             policy,
             str(cost["prompts_skipped"]),
@@ -150,5 +185,6 @@ def render(info: dict[str, Any]) -> None:
             str(cost["groups_continued"]),
             str(cost["kept_tokens"]),
             str(cost["regenerated_tokens"]),
+            *(turns if episodes else ()),
         )
     console.print(costs)

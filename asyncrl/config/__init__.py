@@ -19,7 +19,7 @@ from asyncrl.config.base import (
     ON_RESUME,
     ConfigError,
 )
-from asyncrl.config.data import DataConfig, EvalConfig
+from asyncrl.config.data import BUILTIN_ENVIRONMENTS, DataConfig, EnvConfig, EvalConfig
 from asyncrl.config.model import LoraConfig, ModelConfig
 from asyncrl.config.sections import (
     AlgoConfig,
@@ -35,6 +35,7 @@ from asyncrl.config.sections import (
 )
 
 __all__ = [
+    "BUILTIN_ENVIRONMENTS",
     "MAY_CHANGE",
     "MAY_CHANGE_UNLESS_DETERMINISTIC",
     "NEVER_CHANGES",
@@ -44,6 +45,7 @@ __all__ = [
     "Config",
     "ConfigError",
     "DataConfig",
+    "EnvConfig",
     "EvalConfig",
     "LoggingConfig",
     "LoraConfig",

@@ -19,11 +19,13 @@ BUILTIN_REWARDS = {
 
 @dataclass
 class DataConfig:
-    task: Literal["sort_digits", "jsonl", "hf"] = "sort_digits"
-    """Prompt source: the built-in `sort_digits` task, `jsonl` lines of `{"prompt", "answer"}`
-    read from `path`, or `hf`: any dataset Hugging Face `datasets` loads from `path` (a local
-    JSONL/JSON/CSV/Parquet file, a directory saved with `save_to_disk`, or a hub name where the
-    network allows), its rows read with `prompt_key`/`messages_key` and `answer_key`."""
+    task: Literal["sort_digits", "guess_number", "jsonl", "hf"] = "sort_digits"
+    """Prompt source: the built-in `sort_digits` task, `guess_number` (the ranges of the
+    multi-turn game `env.name=guess_number`, `num_examples` of them), `jsonl` lines of
+    `{"prompt", "answer"}` read from `path`, or `hf`: any dataset Hugging Face `datasets` loads
+    from `path` (a local JSONL/JSON/CSV/Parquet file, a directory saved with `save_to_disk`, or a
+    hub name where the network allows), its rows read with `prompt_key`/`messages_key` and
+    `answer_key`."""
     path: str = ""
     """For `task=jsonl`: a file with one `{"prompt": ..., "answer": ...}` object per line. For
     `task=hf`: the dataset (file, saved directory or hub name)."""
@@ -60,7 +62,7 @@ class DataConfig:
     num_digits: int = 5
     """For `sort_digits`: digits per prompt."""
     num_examples: int = 4096
-    """For `sort_digits`: rows in the generated dataset (one epoch)."""
+    """For `sort_digits` and `guess_number`: rows in the generated dataset (one epoch)."""
 
     @property
     def reward_target(self) -> str:
@@ -87,6 +89,42 @@ class DataConfig:
                 f"data.format_reward: {self.format_reward} is an option of reward_fn=math; "
                 f"data.reward_fn is {self.reward_fn or 'partial_match'!r}"
             )
+
+
+@dataclass
+class EnvConfig:
+    """`env.*`: multi-turn episodes (docs/environments.md). With `name` set, each of a group's
+    samples is an episode: the environment opens it from the example (`reset`), and after each
+    assistant turn answers (`step`) until it says done or `max_turns` turns were taken; the
+    sample trained is the whole episode's tokens, the environment's masked out of the loss."""
+
+    name: str = ""
+    """The environment: a built-in's name (`guess_number`) or `module:Class` for your own
+    (docs/environments.md: the protocol). Empty: single-turn completions scored by
+    `data.reward_fn`."""
+    max_turns: int = 4
+    """Assistant turns per episode at most; an episode still running after them ends with the
+    rewards it got."""
+    max_episode_tokens: int = 256
+    """Tokens after the prompt per episode at most (assistant and environment tokens; each
+    assistant turn also at most `rollout.max_new_tokens`). An episode that reaches it ends."""
+
+    def validate(self) -> None:
+        require(self.max_turns >= 1, "env.max_turns", self.max_turns, ">= 1")
+        require(
+            self.max_episode_tokens >= 1, "env.max_episode_tokens", self.max_episode_tokens, ">= 1"
+        )
+        if self.name and not (self.name in BUILTIN_ENVIRONMENTS or ":" in self.name):
+            raise ConfigError(
+                f"env.name: {self.name!r} must be one of {', '.join(BUILTIN_ENVIRONMENTS)} or "
+                "look like 'module:Class'"
+            )
+
+
+BUILTIN_ENVIRONMENTS = {
+    "guess_number": "asyncrl.tasks.games:GuessNumber",
+}
+"""`env.name` short names -> the class they stand for."""
 
 
 @dataclass

@@ -21,7 +21,7 @@ from asyncrl.config.base import (
     NEVER_CHANGES,
 )
 from asyncrl.config.base import require as _require
-from asyncrl.config.data import DataConfig, EvalConfig
+from asyncrl.config.data import DataConfig, EnvConfig, EvalConfig
 from asyncrl.config.model import ModelConfig
 
 
@@ -346,12 +346,13 @@ class CheckpointConfig:
     keep_last: int = field(default=3, metadata=MAY_CHANGE)
     """Verified checkpoints of this run to keep; older ones are deleted after each save. The
     newest verified checkpoint is never deleted."""
-    resume_policy: Literal["lossless", "keep_incomplete", "drop_incomplete"] = field(
-        default="lossless", metadata=MAY_CHANGE
+    resume_policy: Literal["lossless", "keep_incomplete", "drop_incomplete", "restart_episode"] = (
+        field(default="lossless", metadata=MAY_CHANGE)
     )
     """What a resume does with the checkpoint's in-flight and short targets: `lossless` re-
-    dispatches in-flight prompts; `keep_incomplete` and `drop_incomplete` reproduce NeMo RL's
-    lossy resumes (docs/checkpoint.md)."""
+    dispatches in-flight prompts, continuing their partial samples; `keep_incomplete` and
+    `drop_incomplete` reproduce NeMo RL's lossy resumes; `restart_episode` re-dispatches them
+    started over (what peers do with in-flight multi-turn episodes) (docs/checkpoint.md)."""
     staging_buffer: Literal["auto", "keep", "release"] = field(default="auto", metadata=MAY_CHANGE)
     """The one CPU copy a save stages the state into (~12 bytes per parameter with AdamW):
     `keep` reuses it from save to save (no allocation after the first save, but held for the
@@ -413,6 +414,7 @@ class Config:
     run: RunConfig = field(default_factory=RunConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
+    env: EnvConfig = field(default_factory=EnvConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     algo: AlgoConfig = field(default_factory=AlgoConfig)
@@ -447,6 +449,8 @@ class Config:
                 self.train.num_processes,
                 "1 with model.lora.rank > 0 (LoRA adapters train in one process for now)",
             )
+        if self.env.name:
+            self._validate_episodes()
         if self.run.deterministic:
             _require(
                 self.model.lora.dropout == 0,
@@ -468,6 +472,35 @@ class Config:
                 "depends on timing (a schedule fixing the version per target and chunk would be "
                 "deterministic, but would make generation wait for it)",
             )
+
+    def _validate_episodes(self) -> None:
+        """What multi-turn episodes (`env.name`) do not run with yet."""
+        _require(
+            self.algo.name in ("grpo", "rloo"),
+            "algo.name",
+            self.algo.name,
+            "grpo or rloo with env.name set (PPO's values over episodes are not built yet)",
+        )
+        _require(
+            self.eval.every_steps == 0,
+            "eval.every_steps",
+            self.eval.every_steps,
+            "0 with env.name set (evaluating episodes is not built yet: the run's own rewards "
+            "are its measure)",
+        )
+        _require(
+            self.rollout.max_new_tokens <= self.env.max_episode_tokens,
+            "rollout.max_new_tokens",
+            self.rollout.max_new_tokens,
+            f"<= env.max_episode_tokens={self.env.max_episode_tokens} (a turn is part of its "
+            "episode)",
+        )
+
+    @property
+    def generated_tokens(self) -> int:
+        """Tokens a sample holds after its prompt at most: `rollout.max_new_tokens`, or for
+        episodes `env.max_episode_tokens` (the loss's `constant` normaliser uses it)."""
+        return self.env.max_episode_tokens if self.env.name else self.rollout.max_new_tokens
 
     @property
     def kept_weight_versions(self) -> int:

@@ -154,6 +154,7 @@ def group_state(group: Group) -> dict[str, Any]:
         "version_max": group.version_max,
         "generation_s": group.generation_s,
         **({} if versions is None else {"token_versions": versions.clone()}),
+        **({} if group.loss_mask is None else {"loss_mask": group.loss_mask.clone()}),
         **(
             {"reward_components": {k: v.clone() for k, v in group.reward_components.items()}}
             if group.reward_components
@@ -167,8 +168,9 @@ def group_from_state(item: dict[str, Any]) -> Group:
     fields["ticket"] = PromptTicket(**item["ticket"])
     for key in ("completion_ids", "completion_mask", "behaviour_logprobs", "rewards"):
         fields[key] = torch.as_tensor(item[key])
-    if "token_versions" in item:
-        fields["token_versions"] = torch.as_tensor(item["token_versions"])
+    for key in ("token_versions", "loss_mask"):
+        if key in item:
+            fields[key] = torch.as_tensor(item[key])
     if "reward_components" in item:
         fields["reward_components"] = {
             k: torch.as_tensor(v) for k, v in item["reward_components"].items()

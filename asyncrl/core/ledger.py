@@ -95,6 +95,11 @@ class Ledger:
             in_flight=[(t.ordinal, t.target_step) for t in self.unfinished()],
             buffered=buffered,
             partial_tokens={k: p.num_tokens for k, p in sorted(self.partials.items())},
+            partial_turns={
+                k: sum(e.num_turns for e in p.episodes if not e.done)
+                for k, p in sorted(self.partials.items())
+                if p.episodes is not None
+            },
             buffered_tokens=dict(buffered_tokens or {}),
         )
 
@@ -104,6 +109,9 @@ class Ledger:
         ordinals are skipped — and re-plans the stream's targets from its cursor (the plan's
         discarded groups are the buffer's to delete)."""
         if plan.policy == "lossless":
+            return
+        if plan.policy == "restart_episode":  # re-dispatched, started over
+            self.partials.clear()
             return
         self.redispatch.clear()
         self.partials.clear()

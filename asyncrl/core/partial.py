@@ -11,10 +11,12 @@ Plain tensors, no IO: unit-tested in milliseconds.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
+
+from asyncrl.core.episodes import Episode
 
 
 @dataclass(frozen=True)
@@ -26,6 +28,14 @@ class Partial:
     logprobs: torch.Tensor  # [G, T] float32 behaviour log-probs (0 where masked)
     versions: torch.Tensor  # [G, T] int64 weights version of each token (-1 where masked)
     finished: torch.Tensor  # [G] bool: EOS sampled or max_new_tokens reached
+    policy: torch.Tensor | None = None
+    """[G, T] bool: the tokens the policy sampled (trained); False on an episode's environment
+    tokens. None: every real token is the policy's."""
+    limits: torch.Tensor | None = None
+    """[G] int64: per sample, the length at which the current turn must stop (episodes)."""
+    episodes: tuple[Episode, ...] | None = None
+    """Per sample, its episode so far (multi-turn: `env.name`); a sample is `finished` only
+    when its episode is done."""
 
     @classmethod
     def empty(cls, num_samples: int) -> Partial:
@@ -36,6 +46,22 @@ class Partial:
             torch.zeros(num_samples, 0, dtype=torch.int64),
             torch.zeros(num_samples, dtype=torch.bool),
         )
+
+    @classmethod
+    def episodes_started(cls, episodes: list[Episode], limit: int) -> Partial:
+        """No tokens yet for these episodes, each turn stopping at `limit` tokens."""
+        empty = cls.empty(len(episodes))
+        return replace(
+            empty,
+            policy=empty.mask.clone(),
+            limits=torch.full((len(episodes),), limit, dtype=torch.int64),
+            episodes=tuple(episodes),
+        )
+
+    @property
+    def policy_mask(self) -> torch.Tensor:
+        """[G, T] bool: the policy's tokens (the real tokens, without environment tokens)."""
+        return self.mask if self.policy is None else self.policy
 
     @property
     def num_samples(self) -> int:
@@ -83,6 +109,7 @@ class Partial:
             for t in (self.tokens, self.mask, self.logprobs)
         ]
         versions = torch.full((self.num_samples, width), -1, dtype=torch.int64)
+        policy = torch.zeros(self.num_samples, width, dtype=torch.bool)
         for i in range(self.num_samples):
             n, a = int(lengths[i]), int(added[i])
             new = mask[i]
@@ -93,23 +120,105 @@ class Partial:
                 dst[i, n : n + a] = chunk[i][new]
             versions[i, :n] = self.versions[i, :n]
             versions[i, n : n + a] = version
-        return Partial(out[0], out[1], out[2], versions, self.finished | finished.bool())
+            policy[i, :n] = self.policy_mask[i, :n]
+            policy[i, n : n + a] = True
+        return replace(
+            self,
+            tokens=out[0],
+            mask=out[1],
+            logprobs=out[2],
+            versions=versions,
+            finished=self.finished | finished.bool(),
+            policy=None if self.policy is None else policy,
+        )
+
+    def with_reply(self, sample: int, ids: list[int], limit: int, episode: Episode) -> Partial:
+        """Sample `sample` with the environment's reply `ids` appended (not the policy's: no
+        log-prob, version -1), its episode `episode`, and its next turn stopping at `limit`."""
+        n, a = self.lengths[sample], len(ids)
+        width = max(int(self.tokens.shape[1]), n + a)
+        grown = [
+            torch.nn.functional.pad(t, (0, width - t.shape[1]), value=v)
+            for t, v in ((self.tokens, 0), (self.mask, False), (self.logprobs, 0.0),
+                         (self.versions, -1), (self.policy_mask, False))
+        ]  # fmt: skip
+        tokens, mask, logprobs, versions, policy = grown
+        tokens[sample, n : n + a] = torch.tensor(ids, dtype=torch.int64)
+        mask[sample, n : n + a] = True
+        return replace(
+            self,
+            tokens=tokens,
+            mask=mask,
+            logprobs=logprobs,
+            versions=versions,
+            policy=policy,
+            finished=self.finished.clone().index_fill_(0, torch.tensor([sample]), False),
+            limits=self._limits().index_fill_(0, torch.tensor([sample]), limit),
+            episodes=self._with_episode(sample, episode),
+        )
+
+    def with_episode(self, sample: int, episode: Episode, finished: bool) -> Partial:
+        """Sample `sample` with its episode `episode`, finished (its episode done) or not."""
+        return replace(
+            self,
+            finished=self.finished.clone().index_fill_(0, torch.tensor([sample]), finished),
+            episodes=self._with_episode(sample, episode),
+        )
+
+    def truncated(self, sample: int, length: int, limit: int, episode: Episode) -> Partial:
+        """Sample `sample` cut back to its first `length` tokens (an episode started over)."""
+        keep = torch.arange(self.tokens.shape[1]) < length
+        rows = torch.zeros(self.num_samples, 1, dtype=torch.bool)
+        rows[sample] = True
+        drop = rows & ~keep
+        return replace(
+            self,
+            tokens=self.tokens.masked_fill(drop, 0),
+            mask=self.mask & ~drop,
+            logprobs=self.logprobs.masked_fill(drop, 0.0),
+            versions=self.versions.masked_fill(drop, -1),
+            policy=self.policy_mask & ~drop,
+            finished=self.finished.clone().index_fill_(0, torch.tensor([sample]), False),
+            limits=self._limits().index_fill_(0, torch.tensor([sample]), limit),
+            episodes=self._with_episode(sample, episode),
+        )
+
+    def _limits(self) -> torch.Tensor:
+        if self.limits is None:
+            return torch.zeros(self.num_samples, dtype=torch.int64)
+        return self.limits.clone()
+
+    def _with_episode(self, sample: int, episode: Episode) -> tuple[Episode, ...]:
+        if self.episodes is None:
+            raise ValueError("this partial has no episodes")
+        episodes = list(self.episodes)
+        episodes[sample] = episode
+        return tuple(episodes)
 
     def state_dict(self) -> dict[str, Any]:
-        return {
+        state: dict[str, Any] = {
             "tokens": self.tokens,
             "mask": self.mask,
             "logprobs": self.logprobs,
             "versions": self.versions,
             "finished": self.finished,
         }
+        if self.episodes is not None:
+            state["policy"] = self.policy_mask
+            state["limits"] = self._limits()
+            state["episodes"] = [e.state_dict() for e in self.episodes]
+        return state
 
     @classmethod
     def from_state(cls, state: dict[str, Any]) -> Partial:
+        episodes = state.get("episodes")
         return cls(
             torch.as_tensor(state["tokens"]),
             torch.as_tensor(state["mask"]),
             torch.as_tensor(state["logprobs"]),
             torch.as_tensor(state["versions"]),
             torch.as_tensor(state["finished"]),
+            policy=torch.as_tensor(state["policy"]) if "policy" in state else None,
+            limits=torch.as_tensor(state["limits"]) if "limits" in state else None,
+            episodes=None if episodes is None else tuple(Episode.from_state(e) for e in episodes),
         )

@@ -7,6 +7,9 @@ the ledger and buffer contents of one checkpoint; `asyncrl inspect` prints the s
   in-flight ordinals are skipped; short targets are topped up from the next prompts.
 - `drop_incomplete` (NeMo RL async PPO): as keep_incomplete, and the buffered groups of every
   short target are deleted too, so those targets are refilled whole from the next prompts.
+- `restart_episode` (what peers do with in-flight multi-turn episodes): as lossless, but the
+  in-flight ordinals start over: their partial samples — the turns of their episodes, and the
+  environment steps those turns made — are generated again.
 """
 
 from __future__ import annotations
@@ -14,8 +17,13 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
-ResumePolicy = Literal["lossless", "keep_incomplete", "drop_incomplete"]
-POLICIES: tuple[ResumePolicy, ...] = ("lossless", "keep_incomplete", "drop_incomplete")
+ResumePolicy = Literal["lossless", "keep_incomplete", "drop_incomplete", "restart_episode"]
+POLICIES: tuple[ResumePolicy, ...] = (
+    "lossless",
+    "keep_incomplete",
+    "drop_incomplete",
+    "restart_episode",
+)
 
 
 @dataclass(frozen=True)
@@ -31,6 +39,8 @@ class SavedLedger:
     """In-flight ordinal -> tokens of its partial samples (generated in chunks)."""
     buffered_tokens: dict[int, int] = field(default_factory=dict)
     """Buffered ordinal -> tokens of its finished group."""
+    partial_turns: dict[int, int] = field(default_factory=dict)
+    """In-flight ordinal -> completed turns of its partial episodes (multi-turn runs)."""
 
     def buffered_per_target(self) -> dict[int, int]:
         counts: dict[int, int] = {}
@@ -64,6 +74,14 @@ class ResumePlan:
     """Generated tokens of the checkpoint the resume throws away, to be paid for again:
     discarded groups' and the partial samples of skipped (or re-dispatched but not continued)
     ordinals."""
+    turns_kept: int = 0
+    """Episodes' completed turns of the checkpoint's partial samples that the resume continues."""
+    turns_regenerated: int = 0
+    """... that it throws away (started over, or skipped by a lossy policy)."""
+    tool_calls_repeated: int = 0
+    """Environment steps the checkpoint recorded that the resume makes again for the same
+    episode (its turns started over: `restart_episode`, or an environment that can only
+    restart)."""
 
     @property
     def num_regenerated(self) -> int:
@@ -75,23 +93,32 @@ class ResumePlan:
         return started_over + len(self.skipped) + len(self.discarded)
 
 
-def plan_resume(saved: SavedLedger, policy: ResumePolicy) -> ResumePlan:
+def plan_resume(
+    saved: SavedLedger, policy: ResumePolicy, episodes_restart: bool = False
+) -> ResumePlan:
+    """The plan of `policy` on `saved`; `episodes_restart`: the run's environment can only
+    start an episode over (`restore = "restart"`), so no partial episode is continued."""
     plan = _plan(saved, policy)
     tokens = saved.buffered_tokens
     plan.kept_tokens = sum(tokens.get(k, 0) for k in plan.kept)
     plan.regenerated_tokens = sum(tokens.get(k, 0) for k in plan.discarded)
     partial = sum(saved.partial_tokens.values())
-    if policy == "lossless":
+    turns = sum(saved.partial_turns.values())
+    if policy == "lossless" and not episodes_restart:
         plan.kept_tokens += partial
+        plan.turns_kept = turns
         plan.continued = sorted(k for k, n in saved.partial_tokens.items() if n > 0)
     else:
         plan.regenerated_tokens += partial
+        plan.turns_regenerated = turns
+        if policy in ("lossless", "restart_episode"):  # the same episodes, from their start
+            plan.tool_calls_repeated = turns
     return plan
 
 
 def _plan(saved: SavedLedger, policy: ResumePolicy) -> ResumePlan:
     n = saved.num_prompts_per_step
-    if policy == "lossless":
+    if policy in ("lossless", "restart_episode"):
         return ResumePlan(
             policy=policy,
             kept=sorted(k for k, _ in saved.buffered),

@@ -43,6 +43,15 @@ class Group:
     reward_components: dict[str, torch.Tensor] = field(default_factory=dict)
     """Named parts of the reward, each [G] float32, when the reward function returns them
     (logged as `reward/NAME`; training uses `rewards` only)."""
+    loss_mask: torch.Tensor | None = None
+    """[G, T] bool, for multi-turn episodes: the tokens the policy sampled, which are trained;
+    the environment's tokens between turns are real (in `completion_mask`, attended to) but
+    not. None: every real token is the policy's."""
+
+    @property
+    def policy_mask(self) -> torch.Tensor:
+        """[G, T] bool: the trained tokens."""
+        return self.completion_mask if self.loss_mask is None else self.loss_mask
 
     @property
     def ordinal(self) -> int:

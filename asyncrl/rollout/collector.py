@@ -31,6 +31,7 @@ from asyncrl.core.seeds import noise_seed
 from asyncrl.core.types import Group, PromptTicket
 from asyncrl.faults import fault_point
 from asyncrl.rollout.engine import GenerationEngine, GenerationOutput, GenerationRequest
+from asyncrl.rollout.episodes import EpisodeRunner
 from asyncrl.rollout.scorer import Scored
 from asyncrl.rollout.weight_sync import WeightSource
 
@@ -48,12 +49,15 @@ def make_group(
     generation_s: float,
     token_versions: torch.Tensor | None = None,
     reward_components: dict[str, torch.Tensor] | None = None,
+    loss_mask: torch.Tensor | None = None,
 ) -> Group:
     """The buffered group; `token_versions` ([G, T], -1 where masked) when its tokens were
-    sampled by more than one weights version, else every token is `output.weights_version`."""
+    sampled by more than one weights version, else every token is `output.weights_version`;
+    `loss_mask` ([G, T]) the policy's tokens of episodes (environment tokens are not)."""
+    policy = output.completion_mask if loss_mask is None else loss_mask
     if token_versions is None:
-        token_versions = torch.where(output.completion_mask, output.weights_version, -1)
-    used = token_versions[output.completion_mask]
+        token_versions = torch.where(policy, output.weights_version, -1)
+    used = token_versions[policy]
     versions = used if used.numel() else torch.tensor([output.weights_version])
     mixed = int(versions.min()) != int(versions.max())
     return Group(
@@ -68,6 +72,7 @@ def make_group(
         generation_s=generation_s,
         token_versions=token_versions if mixed else None,
         reward_components=reward_components or {},
+        loss_mask=loss_mask,
     )
 
 
@@ -142,6 +147,7 @@ class Collector:
         chunk_tokens: int = 0,
         mid_generation_updates: bool = False,
         weights: WeightSource | None = None,
+        episodes: EpisodeRunner | None = None,
     ) -> None:
         self.ledger = ledger
         self.buffer = buffer
@@ -160,6 +166,7 @@ class Collector:
         self.chunk_tokens = chunk_tokens  # 0: each batch in one engine pass
         self.mid_generation_updates = mid_generation_updates
         self.weights = weights  # the engine's weights versions, to pin a continued sample's
+        self.episodes = episodes  # multi-turn: each sample an episode with an environment
         self._scores: dict[int, Scored] = {}  # scored, not yet buffered
         self.num_failures = 0  # every failed batch, for the metrics
         self._consecutive_failures = 0
@@ -318,8 +325,7 @@ class Collector:
         self._scores.clear()  # a failed batch's scores are stale
         with self._cond:
             saved = {t.ordinal: self.ledger.partials.get(t.ordinal) for t in tickets}
-        empty = Partial.empty(self.num_generations)
-        partials = {k: p if p is not None else empty for k, p in saved.items()}
+        partials = {t.ordinal: self._opened(t, saved[t.ordinal]) for t in tickets}
         wanted = {t.ordinal: self._wanted_version(t, partials[t.ordinal]) for t in tickets}
         seconds = dict.fromkeys(partials, 0.0)
         while open_tickets := [t for t in tickets if not partials[t.ordinal].done]:
@@ -345,6 +351,8 @@ class Collector:
                     for g in groups:
                         self.buffer.add(g)
                         self.ledger.complete(g.ordinal)
+                        if self.episodes is not None:
+                            self.episodes.forget(g.ordinal)
                 if groups:
                     fault_point("collector.group_buffered")
                 fault_point("collector.chunk_done")
@@ -353,13 +361,27 @@ class Collector:
         with self._cond:
             self._record_spans()  # the batch's last rows
 
+    def _opened(self, ticket: PromptTicket, saved: Partial | None) -> Partial:
+        """The ticket's samples so far: its saved partial (a resumed or failed batch's), or
+        none yet; episodes get their environments (reset, or restored from the partial)."""
+        if self.episodes is None:
+            return saved if saved is not None else Partial.empty(self.num_generations)
+        if saved is None:
+            return self.episodes.start(ticket, self.num_generations)
+        return self.episodes.resume(ticket, saved)
+
+    def _prompt(self, ticket: PromptTicket) -> list[int]:
+        if self.episodes is not None:
+            return self.episodes.prompt(ticket)
+        return list(self.prompts[ticket.dataset_index])
+
     def _wanted_version(self, ticket: PromptTicket, partial: Partial) -> int | None:
         """The weights version a ticket's next chunk asks for (None: the newest published)."""
         if self.pin_versions:  # deterministic mode: target t always uses version max(0, t - A)
             return max(0, ticket.target_step - self.window)
         if self.mid_generation_updates or not partial.num_tokens:
             return self._newest()
-        version = int(partial.versions[partial.mask].max())  # a continued sample keeps its weights
+        version = int(partial.versions[partial.policy_mask].max())  # a continued sample keeps them
         # unless they are no longer kept (a run resumed with chunking or pinning switched off):
         # then it is finished on the newest, each token keeping its own version
         return version if self.weights is None or self.weights.has(version) else self._newest()
@@ -382,11 +404,12 @@ class Collector:
             started = bool(p.tokens.shape[1])
             requests.append(
                 GenerationRequest(
-                    prompt_ids=self.prompts[t.dataset_index],
+                    prompt_ids=self._prompt(t),
                     num_samples=self.num_generations,
                     noise_seed=noise_seed(self.seed, t.ordinal),
                     prefixes=p.prefixes() if started else (),
                     finished=tuple(bool(f) for f in p.finished) if started else (),
+                    limits=() if p.limits is None else tuple(int(n) for n in p.limits),
                 )
             )
         start = time.perf_counter()
@@ -403,10 +426,15 @@ class Collector:
             )
             starts.append(before.lengths)
             counts.append([int(n) for n in out.completion_mask.sum(dim=1)])
+            if self.episodes is not None:  # ended turns: the environments' steps and replies
+                partials[t.ordinal] = self.episodes.advance(t, partials[t.ordinal])
         # scoring is the collector's work, counted in the chunk's seconds; the finished groups
         # of a chunk are scored together (in parallel when rewards have worker processes)
         done = [t for t in tickets if partials[t.ordinal].done]
-        scores = self.scorer([(t, self._output(partials[t.ordinal])) for t in done])
+        if self.episodes is not None:  # an episode's reward is its environment's
+            scores = [self.episodes.scores(partials[t.ordinal]) for t in done]
+        else:
+            scores = self.scorer([(t, self._output(partials[t.ordinal])) for t in done])
         self._scores.update({t.ordinal: s for t, s in zip(done, scores, strict=True)})
         return Chunk(
             start=start,
@@ -420,20 +448,21 @@ class Collector:
     def _output(self, partial: Partial) -> GenerationOutput:
         """A finished partial as one engine output (padding after each sample's end)."""
         tokens = torch.where(partial.mask, partial.tokens, self.pad_id)
-        used = partial.versions[partial.mask]
+        used = partial.versions[partial.policy_mask]
         version = int(used.max()) if used.numel() else 0
         return GenerationOutput(tokens, partial.mask, partial.logprobs, version, partial.finished)
 
     def _group(self, ticket: PromptTicket, partial: Partial, seconds: float) -> Group:
         output = self._output(partial)
-        versions = torch.where(partial.mask, partial.versions, -1)
+        versions = torch.where(partial.policy_mask, partial.versions, -1)
         scored = self._scores.pop(ticket.ordinal)
         return make_group(
             ticket,
-            self.prompts[ticket.dataset_index],
+            self._prompt(ticket),
             output,
             scored.rewards,
             seconds,
             versions,
             scored.components,
+            None if partial.policy is None else partial.policy_mask.clone(),
         )

@@ -32,15 +32,25 @@ class GenerationRequest:
     Sample i's token j still draws noise `(noise_seed, i, j)`, wherever it was cut."""
     finished: tuple[bool, ...] = ()
     """Per sample, with `prefixes`: already finished, so nothing more is generated for it."""
+    limits: tuple[int, ...] = ()
+    """Per sample (episodes): the length (prefix included) at which this call stops the
+    sample, reported finished: its turn ends there. Empty: `max_new_tokens`."""
+
+    def limit(self, sample: int, max_new_tokens: int) -> int:
+        """The length at which sample `sample` stops in this call."""
+        if self.limits and self.limits[sample]:
+            return min(int(self.limits[sample]), max_new_tokens)
+        return max_new_tokens
 
     def done_before(self, max_new_tokens: int) -> list[bool]:
         """Per sample: nothing to generate in this call, because it finished, or its prefix
-        already holds `max_new_tokens` (lowered on a forced resume). Every engine's rule."""
+        already holds `max_new_tokens` (lowered on a forced resume) or its limit. Every
+        engine's rule."""
         if not self.prefixes:
-            return [False] * self.num_samples
+            return [self.limit(i, max_new_tokens) <= 0 for i in range(self.num_samples)]
         finished = self.finished or (False,) * self.num_samples
         return [
-            bool(finished[i]) or len(self.prefixes[i]) >= max_new_tokens
+            bool(finished[i]) or len(self.prefixes[i]) >= self.limit(i, max_new_tokens)
             for i in range(self.num_samples)
         ]
 
@@ -76,6 +86,8 @@ class EngineCapabilities:
     same noise."""
     continue_from_prefix: bool = False
     """Continues a partial completion from its prefix (for partial generations)."""
+    turn_limits: bool = False
+    """Stops each sample at its own length (`GenerationRequest.limits`: multi-turn episodes)."""
 
 
 @dataclass(frozen=True)
@@ -155,6 +167,9 @@ def required_capabilities(config: Config) -> dict[str, str]:
     if config.run.deterministic:
         for capability in ("pinned_versions", "batch_invariant_noise", "per_request_seeds"):
             needs[capability] = "run.deterministic=true"
+    if config.env.name:
+        needs["turn_limits"] = f"env.name={config.env.name}"
+        needs["continue_from_prefix"] = f"env.name={config.env.name}"
     if config.rollout.chunk_tokens:
         needs["continue_from_prefix"] = f"rollout.chunk_tokens={config.rollout.chunk_tokens}"
         if not config.rollout.update_weights_mid_generation:  # a sample keeps its version

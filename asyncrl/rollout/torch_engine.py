@@ -70,6 +70,7 @@ class TorchGenerationEngine:
         batch_invariant_noise=True,
         per_request_seeds=True,
         continue_from_prefix=True,
+        turn_limits=True,
     )
 
     def __init__(self, spec: EngineSpec, weights: WeightSource) -> None:
@@ -255,7 +256,10 @@ class TorchGenerationEngine:
         out, attention, positions, offsets = self._prefill(requests, rows, continued)
         uniforms = uniforms[rows].to(self.device)
         offsets = offsets.to(self.device)
-        room = self.max_new_tokens - offsets  # tokens each row may still add (>= 1)
+        limits = torch.tensor(
+            [r.limit(i, self.max_new_tokens) for r in requests for i in range(r.num_samples)]
+        )[rows.cpu()].to(self.device)
+        room = limits - offsets  # tokens each row may still add (>= 1)
         steps = min(max_tokens or self.max_new_tokens, int(room.max()))
         batch = len(rows)
         at = torch.arange(batch, device=self.device)

@@ -79,6 +79,7 @@ class VLLMGenerationEngine:
             "vLLM's batched kernels and scheduler change a request's logits with the batch it "
             "lands in, so a resumed run cannot be bitwise the uninterrupted one"
         ),
+        "turn_limits": "multi-turn episodes run on the torch engine for now",
     }
 
     def __init__(self, spec: EngineSpec, weights: WeightSource) -> None:

@@ -67,6 +67,10 @@ def task_examples(config: DataConfig) -> list[Example]:
     """The rows `config` trains on, in dataset order (the stream's ordinals index them)."""
     if config.task == "sort_digits":
         return sort_digits_examples(config.num_digits, config.num_examples)
+    if config.task == "guess_number":
+        from asyncrl.tasks.games import guess_number_examples
+
+        return guess_number_examples(config.num_examples)
     if config.task == "jsonl":
         return read_jsonl_examples(config.path)
     from asyncrl.tasks.hf_data import read_hf_examples  # `datasets` only when used

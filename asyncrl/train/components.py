@@ -26,9 +26,11 @@ from asyncrl.rollout.engine import (
     check_engine,
     engine_options,
 )
+from asyncrl.rollout.episodes import EpisodeRunner
 from asyncrl.rollout.evaluation import Evaluator, build_evaluator, task_reward_pool
 from asyncrl.rollout.scorer import Scorer
 from asyncrl.rollout.weight_sync import CopyWeightSync, WeightSync
+from asyncrl.tasks.environments import environment_class
 from asyncrl.tasks.examples import Task, examples_sha256
 from asyncrl.tasks.prompts import encode_prompts
 from asyncrl.tasks.source import load_task
@@ -82,7 +84,10 @@ def build_trainer_side(
     and the evaluator have copied the full policy, since the algorithm shards it with ranks."""
     train_device = device or resolve_device("train.device", config.train.device)
     task = load_task(config.data)
-    policy = load_policy(config.model, config.run.seed, task.alphabet())
+    alphabet = task.alphabet()
+    if config.env.name:  # the characters its replies use, for the `tiny` preset's vocabulary
+        alphabet |= set(getattr(environment_class(config.env.name), "alphabet", ""))
+    policy = load_policy(config.model, config.run.seed, alphabet)
     place(policy.model, train_device)
     if adapters_in_engine(config):  # the torch engine shares the base and runs the adapters
         apply_lora(policy, config.model, config.run.seed)
@@ -111,7 +116,7 @@ def build_components(
         resolve_device("rollout.device", rollout.device)
     task, policy, build_algorithm = build_trainer_side(config, ranks, device)
     # a prompt the model cannot take is refused here, before any engine or worker starts
-    prompts = encode_prompts(task, policy.tokenizer, rollout.max_new_tokens, policy.max_seq_len)
+    prompts = encode_prompts(task, policy.tokenizer, config.generated_tokens, policy.max_seq_len)
     stream = PromptStream(
         len(task.examples),
         rollout.num_prompts_per_step,
@@ -151,11 +156,30 @@ def build_components(
         chunk_tokens=rollout.chunk_tokens,
         mid_generation_updates=rollout.update_weights_mid_generation,
         weights=weights,
+        episodes=_episode_runner(config, task, policy),
     )
     return Components(
         policy, task, stream, ledger, buffer, weights, engine, collector, algo, scorer, shutdown,
         evaluator,
     )  # fmt: skip
+
+
+def _episode_runner(config: Config, task: Task, policy: Policy) -> EpisodeRunner | None:
+    """With `env.name`: what plays the episodes for the collector."""
+    env = config.env
+    if not env.name:
+        return None
+    return EpisodeRunner(
+        environment_class(env.name),
+        env.name,
+        task.examples,
+        policy.tokenizer,
+        policy.eos_id,
+        config.run.seed,
+        env.max_turns,
+        config.rollout.max_new_tokens,
+        env.max_episode_tokens,
+    )
 
 
 def _engine_spec(config: Config, policy: Policy, scratch_dir: str) -> EngineSpec:
@@ -164,7 +188,7 @@ def _engine_spec(config: Config, policy: Policy, scratch_dir: str) -> EngineSpec
         policy.model,
         policy.eos_id,
         policy.pad_id,
-        rollout.max_new_tokens,
+        config.generated_tokens,
         rollout.temperature,
         rollout.device,
         rollout.dtype,

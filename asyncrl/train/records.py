@@ -218,10 +218,18 @@ def span_token_starts(span: dict[str, Any]) -> list[list[int]]:
 
 
 def plan_fields(
-    plan: ResumePlan, continued: dict[int, tuple[list[int], list[bool]]]
+    plan: ResumePlan, continued: dict[int, tuple[list[int], list[bool]]], episodes: bool = False
 ) -> dict[str, Any]:
-    """The `resume` event's account of a resume plan: what was kept, redone, skipped."""
+    """The `resume` event's account of a resume plan: what was kept, redone, skipped (and for
+    multi-turn episodes, `env.name`: turns kept and regenerated, environment steps repeated)."""
+    turns = {
+        "turns_kept": plan.turns_kept,
+        "turns_regenerated": plan.turns_regenerated,
+        "tool_calls_repeated": plan.tool_calls_repeated,
+        "tokens_regenerated": plan.regenerated_tokens,
+    }
     return {
+        **(turns if episodes else {}),
         "policy": plan.policy,
         "kept_groups": plan.kept,
         "reissued_ordinals": [k for k, _ in plan.redispatched],
@@ -233,9 +241,8 @@ def plan_fields(
         "continued_partials": {
             str(k): {"lengths": lengths, "finished": finished}
             for k, (lengths, finished) in sorted(continued.items())
-        }
-        if plan.policy == "lossless"
-        else {},
+            if k in plan.continued  # lossless, and an environment that can come back
+        },
     }
 
 
@@ -256,6 +263,8 @@ def tokens_digest(groups: list[Group]) -> str:
     for group in groups:
         digest.update(group.completion_ids.numpy().tobytes())
         digest.update(group.completion_mask.numpy().tobytes())
+        if group.loss_mask is not None:
+            digest.update(group.loss_mask.numpy().tobytes())
     return digest.hexdigest()[:16]
 
 
@@ -303,10 +312,10 @@ def token_staleness(step: int, groups: list[Group]) -> float:
     total, count = 0, 0
     for g in groups:
         if g.token_versions is None:
-            n = int(g.completion_mask.sum())
+            n = int(g.policy_mask.sum())
             total, count = total + n * (step - g.version_max), count + n
         else:
-            used = g.token_versions[g.completion_mask]
+            used = g.token_versions[g.policy_mask]
             total, count = total + int((step - used).sum()), count + used.numel()
     return total / max(count, 1)
 

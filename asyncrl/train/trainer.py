@@ -50,6 +50,7 @@ from asyncrl.models.device import dtype_line, model_device
 from asyncrl.models.lora import check_base, checkpoint_part, save_final
 from asyncrl.rollout.collector import Chunk, GenerationFailed
 from asyncrl.rollout.evaluation import eval_line, is_eval_record
+from asyncrl.tasks.environments import environment_class
 from asyncrl.train.components import build_components
 from asyncrl.train.ranks import (
     COLLECTIVE_DEATH_WAIT_S,
@@ -197,7 +198,10 @@ class Trainer:
         tokens = tokens_per_group(snapshot.parts["buffer"])
         saved = ledger.saved(self.step, buffer.ordinals_and_targets(), tokens)
         self.continued = {k: (p.lengths, p.finished.tolist()) for k, p in ledger.partials.items()}
-        plan = plan_resume(saved, self.config.checkpoint.resume_policy)
+        restarts = bool(self.config.env.name) and (
+            environment_class(self.config.env.name).restore == "restart"
+        )
+        plan = plan_resume(saved, self.config.checkpoint.resume_policy, restarts)
         ledger.apply(plan)
         buffer.discard(plan.discarded)
         self._publish_weights(self.step)
@@ -258,7 +262,7 @@ class Trainer:
             attempt=self.attempt,
             from_step=self.step,
             cursor=cursor,
-            **plan_fields(plan, self.continued),
+            **plan_fields(plan, self.continued, episodes=bool(self.config.env.name)),
             rejected_checkpoints=self.run.rejected,
             config_changes={**benign_differences(saved_config, self.config), **self.run.notes},
             forced_config_changes=self.run.forced_changes,

@@ -1,0 +1,91 @@
+"""The environment protocol of multi-turn episodes (`env.name`, docs/environments.md).
+
+An environment plays one episode: `reset(example, seed)` opens it with messages, then after
+each assistant turn `step(assistant_text, step_id)` answers with messages, a reward (or None)
+and whether the episode is done. Messages are `{"role": ..., "content": ...}` dicts. The
+class says how a resumed run gets an episode's environment back (`restore`):
+
+- `restorable`: `state_dict()` after each step is saved in the checkpoint cut (JSON values and
+  tensors, never pickle: DESIGN.md I7) and given back with `load_state_dict(state)` after a
+  `reset(example, seed)`;
+- `replay`: deterministic given its seed and the history: after `reset(example, seed)` it is
+  handed the recorded turns, `replay(turns)` (each `(assistant_text, step_id, messages,
+  reward, done)`), and rebuilds its state without acting again;
+- `restart`: neither: the episode starts over (counted in the resume event).
+
+`step_id` is `"ORDINAL:SAMPLE:TURN"`, the same on every attempt, so an environment whose steps
+act on the outside world can make each action exactly once (a journal keyed by it). `reset`
+must not act on the outside world: a resume calls it again. Every sample of a group is opened
+from the same example and must open with the same messages (its seed may differ: it is for
+hidden state).
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import ClassVar, Literal, NamedTuple, Protocol
+
+from asyncrl.config import BUILTIN_ENVIRONMENTS, ConfigError
+from asyncrl.tasks.examples import Example, Message
+
+RestoreKind = Literal["restorable", "replay", "restart"]
+RESTORE_KINDS: tuple[str, ...] = ("restorable", "replay", "restart")
+
+
+class StepResult(NamedTuple):
+    messages: list[Message]
+    """What the environment says next (empty when done)."""
+    reward: float | None
+    """A reward for this turn, or None; the episode's reward is the sum of its turns'."""
+    done: bool
+
+
+class Turn(NamedTuple):
+    """One recorded turn, as `replay` gets it."""
+
+    assistant_text: str
+    step_id: str
+    messages: list[Message]
+    reward: float | None
+    done: bool
+
+
+class Environment(Protocol):
+    restore: ClassVar[RestoreKind]
+    alphabet: ClassVar[str]
+    """Optional: characters its messages use beyond the examples' (for the `tiny` preset's
+    character vocabulary)."""
+
+    def reset(self, example: Example, seed: int) -> list[Message]: ...
+
+    def step(self, assistant_text: str, step_id: str) -> StepResult: ...
+
+
+def environment_class(name: str) -> type[Environment]:
+    """The class `env.name` names (a built-in's short name or `module:Class`), checked against
+    the protocol; a name that does not resolve is a `ConfigError` naming `env.name`."""
+    target = BUILTIN_ENVIRONMENTS.get(name, name)
+    module, _, attr = target.partition(":")
+    try:
+        cls = getattr(importlib.import_module(module), attr)
+    except (ImportError, AttributeError) as err:
+        raise ConfigError(
+            f"env.name: cannot load {target!r} ({err}); give a built-in's name "
+            f"({', '.join(BUILTIN_ENVIRONMENTS)}) or 'module:Class' importable from here"
+        ) from err
+    missing = [m for m in ("reset", "step") if not callable(getattr(cls, m, None))]
+    kind = getattr(cls, "restore", None)
+    if missing or kind not in RESTORE_KINDS:
+        problem = (
+            f"has no {' or '.join(missing)} method" if missing
+            else f"says restore={kind!r}, not one of {', '.join(RESTORE_KINDS)}"
+        )  # fmt: skip
+        raise ConfigError(f"env.name: {target} {problem} (docs/environments.md: the protocol)")
+    needs = {"restorable": ("state_dict", "load_state_dict"), "replay": ("replay",)}
+    for method in needs.get(kind, ()):
+        if not callable(getattr(cls, method, None)):
+            raise ConfigError(
+                f"env.name: {target} says restore={kind!r} but has no {method} method"
+            )
+    result: type[Environment] = cls
+    return result

@@ -1,0 +1,189 @@
+"""Multi-turn episodes under SIGKILL (DESIGN.md I9), with a user's environment that lives
+outside the package (`tests/user_envs/tally_game.py`, `env.name=tally_game:...`).
+
+Kills are placed by state (`asyncrl.faults`): after a checkpoint whose cut holds episodes in
+flight became durable, then mid-environment-step (`episode.env_step`), mid-turn
+(`engine.decode_step`) or mid-checkpoint-write. The oracles: the uninterrupted run (a
+deterministic resume must equal it bit for bit), the checkpoint read before each resume (no
+environment step it recorded is called again: the environment's own journal says which
+process called which step) and `asyncrl audit`. Negative controls: a resume that skips
+restoring the environments differs from the uninterrupted run; `restart_episode`, and an
+environment that can only restart, call recorded steps again and say so in the resume event.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from helpers import read_records
+from safetensors.torch import load_file
+
+from asyncrl.cli.audit import audit_run_dir
+from asyncrl.cli.inspect import inspect_run_dir
+
+pytestmark = pytest.mark.slow
+
+STEPS = 10
+BASE = [
+    f"run.max_num_steps={STEPS}",
+    "rollout.num_prompts_per_step=4",
+    "rollout.num_generations_per_prompt=4",
+    "rollout.groups_per_batch=2",
+    "rollout.max_trajectory_age_steps=1",
+    "env.max_turns=3",
+    "checkpoint.save_period=2",
+    "checkpoint.when_busy=wait",
+    "logging.progress=false",
+    "logging.plot=false",
+]
+DETERMINISTIC = ["run.deterministic=true"]
+IN_FLIGHT = "checkpoint.parent_fsynced[partial_tokens]"
+"""A durable checkpoint whose cut holds episodes in flight (their samples so far)."""
+
+
+def launch(
+    run: Path, repo_root: Path, env_name: str, fault: str = "", skip: str = "", extra=()
+) -> subprocess.Popen:
+    user_envs = str(repo_root / "tests" / "user_envs")
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join(filter(None, [user_envs, os.environ.get("PYTHONPATH")])),
+        "PYTHONWARNINGS": "ignore",
+        "TALLY_JOURNAL": str(run.parent / f"{run.name}.journal"),
+        "ASYNCRL_FAULT": fault,
+        "ASYNCRL_TEST_SKIP_RESTORE": skip,
+    }
+    command = [sys.executable, "-m", "asyncrl.cli", "train"]
+    command += [str(repo_root / "configs/multi_turn_game.yaml"), "--run-dir", str(run)]
+    command += [*BASE, f"env.name=tally_game:{env_name}", *extra]
+    return subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True)  # fmt: skip
+
+
+def run_to(run: Path, repo_root: Path, env_name: str, fault: str = "", skip: str = "",
+           extra=()) -> tuple[int, int, str]:  # fmt: skip
+    """One launch to its end (or its kill): (exit code, pid, output)."""
+    proc = launch(run, repo_root, env_name, fault, skip, extra)
+    out, _ = proc.communicate(timeout=480)
+    return proc.returncode, proc.pid, out
+
+
+def calls(run: Path) -> list[tuple[int, str]]:
+    """(pid, step_id) of every environment step, in order, from the environment's journal."""
+    journal = run.parent / f"{run.name}.journal"
+    return [(int(p), s) for p, s in (line.split() for line in journal.read_text().splitlines())]
+
+
+def recorded_steps(run: Path) -> set[str]:
+    """The environment steps the newest checkpoint's episodes in flight recorded."""
+    info = inspect_run_dir(run)
+    return {s for samples in info["episodes_in_flight"].values() for e in samples
+            for s in e["step_ids"]}  # fmt: skip
+
+
+def fingerprint(run: Path) -> tuple[list[tuple], str]:
+    final = {r["step"]: r for r in read_records(run / "metrics.jsonl")}
+    steps = [(t, final[t]["loss"], final[t]["reward_mean"], final[t]["tokens_sha256"])
+             for t in sorted(final)]  # fmt: skip
+    weights = load_file(run / "final_model" / "model.safetensors")
+    digest = hashlib.sha256()
+    for name in sorted(weights):
+        digest.update(name.encode())
+        digest.update(weights[name].numpy().tobytes())
+    return steps, digest.hexdigest()
+
+
+def kill_resume_and_finish(run: Path, repo_root: Path, env_name: str, faults: list[str],
+                           extra=()) -> list[tuple[set[str], int]]:  # fmt: skip
+    """Kills the run once per fault, resuming each time, then runs it to the end; returns per
+    resume what its checkpoint recorded and the pid of the launch that resumed from it."""
+    recorded, pids = [], []
+    for fault in faults:
+        code, pid, out = run_to(run, repo_root, env_name, fault, extra=extra)
+        assert code == -signal.SIGKILL, f"{fault} never fired (exit {code}):\n{out[-2000:]}"
+        pids.append(pid)
+        recorded.append(recorded_steps(run))
+        assert recorded[-1], f"the checkpoint after {fault} holds no episode in flight"
+    code, pid, out = run_to(run, repo_root, env_name, extra=extra)
+    assert code == 0, out[-3000:]
+    return list(zip(recorded, [*pids[1:], pid], strict=True))
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory, request) -> tuple[list[tuple], str]:
+    repo_root = Path(request.config.rootpath)
+    run = tmp_path_factory.mktemp("reference") / "run"
+    code, _, out = run_to(run, repo_root, "Tally", extra=DETERMINISTIC)
+    assert code == 0, out[-3000:]
+    return fingerprint(run)
+
+
+def test_killed_mid_step_mid_turn_and_mid_checkpoint_a_deterministic_run_is_bitwise_the_same(
+    tmp_path, repo_root, reference
+):
+    run = tmp_path / "run"
+    faults = [
+        f"{IN_FLIGHT}>episode.env_step:2",  # mid-environment-step
+        f"{IN_FLIGHT}>engine.decode_step:3",  # mid-turn
+        f"{IN_FLIGHT}>checkpoint.file_written",  # mid-checkpoint-write
+    ]
+    resumes = kill_resume_and_finish(run, repo_root, "Tally", faults, extra=DETERMINISTIC)
+    assert fingerprint(run) == reference
+    journal = calls(run)
+    for recorded, pid in resumes:  # no step a checkpoint recorded is called again
+        again = recorded & {s for p, s in journal if p == pid}
+        assert not again, f"recorded steps called again after the resume: {sorted(again)}"
+    events = [e for e in read_records(run / "events.jsonl") if e["event"] == "resume"]
+    assert len(events) == len(faults)
+    for e in events:
+        assert (e["turns_regenerated"], e["tool_calls_repeated"], e["tokens_regenerated"]) == (
+            0, 0, 0,
+        ), e  # fmt: skip
+    assert sum(e["turns_kept"] for e in events) > 0
+    assert audit_run_dir(run).ok
+
+
+def test_a_resume_that_does_not_restore_the_environments_is_caught(tmp_path, repo_root, reference):
+    run = tmp_path / "run"
+    code, _, out = run_to(run, repo_root, "Tally", f"{IN_FLIGHT}>engine.decode_step:3",
+                          extra=DETERMINISTIC)  # fmt: skip
+    assert code == -signal.SIGKILL, out[-2000:]
+    code, _, out = run_to(run, repo_root, "Tally", skip="env_state", extra=DETERMINISTIC)
+    assert code == 0, out[-3000:]
+    assert fingerprint(run) != reference
+
+
+@pytest.mark.parametrize(
+    ("env_name", "policy", "repeats"),
+    [
+        ("TallyState", "lossless", False),  # restored from its saved state
+        ("TallyState", "restart_episode", True),  # what peers do: the episode starts over
+        ("TallyRestart", "lossless", True),  # an environment that can only start over
+    ],
+)
+def test_what_each_resume_policy_and_restore_kind_redoes(
+    tmp_path, repo_root, env_name, policy, repeats
+):
+    run = tmp_path / "run"
+    code, _, out = run_to(run, repo_root, env_name, f"{IN_FLIGHT}>episode.env_step:2")
+    assert code == -signal.SIGKILL, out[-2000:]
+    recorded = recorded_steps(run)
+    assert recorded
+    code, pid, out = run_to(run, repo_root, env_name, extra=[f"checkpoint.resume_policy={policy}"])
+    assert code == 0, out[-3000:]
+    called_again = recorded & {s for p, s in calls(run) if p == pid}
+    (event,) = [e for e in read_records(run / "events.jsonl") if e["event"] == "resume"]
+    if repeats:
+        assert called_again and event["tool_calls_repeated"] >= len(called_again) > 0
+        assert event["turns_regenerated"] > 0 and event["tokens_regenerated"] > 0
+    else:
+        assert not called_again
+        assert (event["turns_regenerated"], event["tool_calls_repeated"]) == (0, 0)
+        assert event["turns_kept"] > 0
+    assert audit_run_dir(run).ok

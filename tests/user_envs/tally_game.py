@@ -1,0 +1,73 @@
+"""A user's environment, outside the asyncrl package (`env.name=tally_game:Tally` with this
+folder on PYTHONPATH): the tests' proof that `module:Class` works end to end.
+
+The episode keeps a running tally: it starts at a digit drawn from the episode's seed; each
+turn adds the digits of the assistant's text and one more draw of the environment's RNG, mod
+10, and the environment answers with the new tally. After 3 turns it ends with reward 1 if the
+tally is 7. Every step is written to the journal `$TALLY_JOURNAL` (`PID STEP_ID` a line): the
+tests read which process called which step.
+
+Three classes, one per way of coming back after a resume: `Tally` replays its recorded turns
+(checking each against what it would have answered), `TallyState` saves its state, and
+`TallyRestart` can only start over.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+from typing import Any
+
+
+def _journal(step_id: str) -> None:
+    path = os.environ.get("TALLY_JOURNAL")
+    if path:
+        with open(path, "a") as f:
+            f.write(f"{os.getpid()} {step_id}\n")
+
+
+class Tally:
+    restore = "replay"
+    alphabet = "0123456789-=+?"
+    max_turns = 3
+
+    def reset(self, example: Any, seed: int) -> list[dict[str, str]]:
+        self.rng = random.Random(seed)
+        self.tally = self.rng.randint(0, 9)
+        self.turns = 0
+        return [{"role": "user", "content": example.prompt}]
+
+    def _advance(self, text: str) -> tuple[list[dict[str, str]], float | None, bool]:
+        self.turns += 1
+        digits = sum(int(c) for c in text if c.isdigit())
+        self.tally = (self.tally + digits + self.rng.randint(0, 9)) % 10
+        done = self.turns >= self.max_turns
+        reward = (1.0 if self.tally == 7 else 0.0) if done else None
+        return ([] if done else [{"role": "user", "content": str(self.tally)}]), reward, done
+
+    def step(self, text: str, step_id: str) -> tuple[list[dict[str, str]], float | None, bool]:
+        _journal(step_id)
+        return self._advance(text)
+
+    def replay(self, turns: list[Any]) -> None:
+        for turn in turns:
+            messages, reward, done = self._advance(turn.assistant_text)
+            if (messages, reward, done) != (turn.messages, turn.reward, turn.done):
+                raise RuntimeError(f"replay of {turn.step_id} differs from the record")
+
+
+class TallyState(Tally):
+    restore = "restorable"
+
+    def state_dict(self) -> dict[str, Any]:
+        version, internal, gauss = self.rng.getstate()
+        return {"tally": self.tally, "turns": self.turns, "rng": [version, list(internal), gauss]}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.tally, self.turns = int(state["tally"]), int(state["turns"])
+        version, internal, gauss = state["rng"]
+        self.rng.setstate((int(version), tuple(int(x) for x in internal), gauss))
+
+
+class TallyRestart(Tally):
+    restore = "restart"
