@@ -8,7 +8,7 @@ RUN_DIR ?= runs/demo-$(NOW)
 # a demo's run dir: RUN_DIR when given (command line or environment), else runs/NAME-TIME
 demo_dir = $(if $(filter command line environment,$(origin RUN_DIR)),$(RUN_DIR),runs/$(1)-$(NOW))
 
-.PHONY: setup demo math-demo smol-demo multi-turn-demo ppo-demo rloo-demo test test-fast lint bench bench-algos bench-ray bench-scale bench-lora bench-lora-curve bench-vllm-lora bench-deferral bench-reward bench-engines bench-records bench-rank-messages bench-smol gpu-check chaos docs clean
+.PHONY: setup demo math-demo smol-demo multi-turn-demo calculator-demo ppo-demo rloo-demo test test-fast lint bench bench-algos bench-ray bench-scale bench-lora bench-lora-curve bench-vllm-lora bench-deferral bench-reward bench-engines bench-records bench-rank-messages bench-smol gpu-check chaos docs clean
 
 setup: $(STAMP)
 
@@ -48,6 +48,11 @@ smol-demo: setup
 # multi-turn episodes: the guess-the-number game, tiny model from scratch (docs/environments.md)
 multi-turn-demo: setup
 	$(BIN)/asyncrl train configs/multi_turn_game.yaml --run-dir $(call demo_dir,multi-turn-demo)
+
+# a tool-using episode on the real model: SmolLM2-135M-Instruct with a calculator
+calculator-demo: setup
+	$(BIN)/python -m asyncrl.examples.smol_math data/smol_math
+	$(BIN)/asyncrl train configs/calculator_tool.yaml --run-dir $(call demo_dir,calculator-demo)
 
 ppo-demo: setup
 	$(BIN)/asyncrl train configs/ppo_demo.yaml --run-dir $(call demo_dir,ppo-demo)

@@ -5,6 +5,7 @@ starts from it, and no torn directory is ever loaded).
     .venv/bin/python benchmarks/chaos.py --trials 200      # `make chaos`
     .venv/bin/python benchmarks/chaos.py --trials 30 --set algo.name=ppo
     .venv/bin/python benchmarks/chaos.py --trials 20 --set rollout.backend=ray --jitter 1
+    .venv/bin/python benchmarks/chaos.py --trials 30 --episodes     # multi-turn episodes
 
 A trial is one launch killed at a random moment placed by the run's state, not by the clock
 alone, so that a faster or slower machine is hit in the same places: once the launch has
@@ -13,6 +14,12 @@ delay in [0, `--jitter`] s (mid-step, mid-generation, mid-checkpoint-write, mid-
 with 0 steps, at a random moment in [0, 3] s of its start-up. When a run completes, it is
 audited and a fresh run dir starts. The last line reads `chaos: K kills over R runs ...: I1,
 I3, I4 held in 100%` or names the first violation (exit 1).
+
+`--episodes`: the multi-turn shape (`configs/multi_turn_game.yaml` with the test suite's user
+environment `tests/user_envs/tally_game.py:TallyState`, 3 turns an episode), and I9 checked
+too: every resume event says `turns_regenerated=0 tool_calls_repeated=0
+tokens_regenerated=0`, and the environment's journal shows that no launch called a step the
+checkpoint it resumed from had recorded.
 """
 
 from __future__ import annotations
@@ -30,6 +37,7 @@ from pathlib import Path
 from asyncrl.checkpoint.snapshot import FILES
 from asyncrl.checkpoint.store import CheckpointStore
 from asyncrl.cli.audit import audit_run_dir, format_report
+from asyncrl.cli.inspect import inspect_run_dir
 from asyncrl.train.records import read_jsonl
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -46,18 +54,78 @@ RUN = [
 ]
 
 
+EPISODES = [
+    "env.name=tally_game:TallyState",
+    "env.max_turns=3",
+    "rollout.max_trajectory_age_steps=1",
+]
+"""`--episodes`: the multi-turn shape, with a user's environment that journals its steps."""
+
+
 class ChaosViolation(AssertionError):
     pass
 
 
-def launch(run_dir: Path, extra: list[str], fault: str = "") -> subprocess.Popen:
-    command = [sys.executable, "-m", "asyncrl.cli", "train", str(ROOT / "configs/demo.yaml")]
+class Shape:
+    """What the launches run: the config, and for episodes the journal's environment."""
+
+    def __init__(self, episodes: bool = False) -> None:
+        self.episodes = episodes
+        self.config = ROOT / ("configs/multi_turn_game.yaml" if episodes else "configs/demo.yaml")
+        self.overrides = EPISODES if episodes else []
+
+    def env(self, run_dir: Path) -> dict[str, str]:
+        if not self.episodes:
+            return {}
+        paths = [str(ROOT / "tests" / "user_envs"), os.environ.get("PYTHONPATH", "")]
+        return {"PYTHONPATH": os.pathsep.join(filter(None, paths)),
+                "TALLY_JOURNAL": str(journal(run_dir))}  # fmt: skip
+
+
+def journal(run_dir: Path) -> Path:
+    return run_dir.parent / f"{run_dir.name}.journal"
+
+
+def launch(
+    run_dir: Path, extra: list[str], fault: str = "", shape: Shape | None = None
+) -> subprocess.Popen:
+    shape = shape or Shape()
+    command = [sys.executable, "-m", "asyncrl.cli", "train", str(shape.config)]
     return subprocess.Popen(
-        [*command, "--run-dir", str(run_dir), "--restart", *RUN, *extra],
-        env={**os.environ, "PYTHONWARNINGS": "ignore", "ASYNCRL_FAULT": fault},
+        [*command, "--run-dir", str(run_dir), "--restart", *RUN, *shape.overrides, *extra],
+        env={
+            **os.environ,
+            "PYTHONWARNINGS": "ignore",
+            "ASYNCRL_FAULT": fault,
+            **shape.env(run_dir),
+        },
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
     )
+
+
+def recorded_steps(run_dir: Path) -> set[str]:
+    """The environment steps of the episodes in flight in the newest verified checkpoint."""
+    if latest_step(run_dir) < 0:
+        return set()
+    info = inspect_run_dir(run_dir)
+    return {s for samples in info["episodes_in_flight"].values() for e in samples
+            for s in e["step_ids"]}  # fmt: skip
+
+
+def check_episodes(run_dir: Path, pid: int, recorded: set[str], resume: dict | None) -> None:
+    """I9 for one launch: its resume event redid no turn, step or token, and it called none
+    of the steps the checkpoint it resumed from recorded (the environment's journal)."""
+    if resume is not None:
+        redone = {k: resume[k] for k in ("turns_regenerated", "tool_calls_repeated",
+                                         "tokens_regenerated")}  # fmt: skip
+        if any(redone.values()):
+            raise ChaosViolation(f"I9: {run_dir}: resume from step {resume['from_step']} {redone}")
+    path = journal(run_dir)
+    calls = path.read_text().split("\n") if path.exists() else []
+    again = sorted(recorded & {line.split()[1] for line in calls if line.startswith(f"{pid} ")})
+    if again:
+        raise ChaosViolation(f"I9: {run_dir}: recorded steps called again: {again[:5]}")
 
 
 def latest_step(run_dir: Path) -> int:
@@ -104,15 +172,21 @@ def wait_for_state(proc: subprocess.Popen, run_dir: Path, new_steps: int, delay_
 
 
 def launch_and_check(
-    run_dir: Path, kill_at: tuple[int, float] | None, extra: list[str], fault: str = ""
+    run_dir: Path,
+    kill_at: tuple[int, float] | None,
+    extra: list[str],
+    fault: str = "",
+    shape: Shape | None = None,
 ) -> bool:
     """One launch, SIGKILLed once it has recorded `kill_at = (new steps, then seconds)` (None:
     let it finish, or die by the fault point `fault`). Checks I4 around it: the newest
-    verified checkpoint does not go backwards, and a resume starts from it. Returns whether the
-    launch was killed."""
+    verified checkpoint does not go backwards, and a resume starts from it (and I9 for
+    episodes). Returns whether the launch was killed."""
+    shape = shape or Shape()
     newest = latest_step(run_dir)
     seen = len(resumes(run_dir))
-    proc = launch(run_dir, extra, fault)
+    recorded = recorded_steps(run_dir) if shape.episodes else set()
+    proc = launch(run_dir, extra, fault, shape)
     if kill_at is None:
         proc.wait(600)
     else:
@@ -131,6 +205,8 @@ def launch_and_check(
         )
     if latest_step(run_dir) < newest:
         raise ChaosViolation(f"I4: {run_dir}: newest verified step went back from {newest}")
+    if shape.episodes:
+        check_episodes(run_dir, proc.pid, recorded, after[seen] if len(after) > seen else None)
     return killed
 
 
@@ -148,6 +224,7 @@ def run_chaos(  # type: ignore[no-untyped-def]
     extra: list[str] | None = None,
     fault: str = "",
     jitter_s: float = 0.3,
+    episodes: bool = False,
 ) -> dict:
     """`trials` kills, each at a random state (see the module docstring) or earlier, at the
     `ASYNCRL_FAULT` point `fault` (then no launch is killed by the clock: for the negative
@@ -155,12 +232,14 @@ def run_chaos(  # type: ignore[no-untyped-def]
     kills, runs, and launches that resumed from a checkpoint (`resumed`)."""
     rng = random.Random(seed)
     extra = extra or []
+    shape = Shape(episodes)
     runs, kills = 0, 0
     while kills < trials:
         run_dir = root / f"run{runs}"
         new_steps = rng.randint(*STEPS_PER_LAUNCH)
         delay_s = rng.uniform(0.0, START_UP_S if new_steps == 0 else jitter_s)
-        if launch_and_check(run_dir, None if fault else (new_steps, delay_s), extra, fault):
+        kill_at = None if fault else (new_steps, delay_s)
+        if launch_and_check(run_dir, kill_at, extra, fault, shape):
             kills += 1
             if kills % 10 == 0:
                 log(f"chaos: {kills}/{trials} kills, {runs + 1} runs")
@@ -168,12 +247,14 @@ def run_chaos(  # type: ignore[no-untyped-def]
         check_run(run_dir)  # finished during the chaos
         runs += 1
     run_dir = root / f"run{runs}"
-    launch_and_check(run_dir, None, extra)
+    launch_and_check(run_dir, None, extra, shape=shape)
     check_run(run_dir)
-    resumed = sum(
-        1 for i in range(runs + 1) for e in resumes(root / f"run{i}") if e["from_step"] > 0
-    )
-    return {"kills": kills, "runs": runs + 1, "resumed": resumed}
+    events = [e for i in range(runs + 1) for e in resumes(root / f"run{i}")]
+    resumed = sum(1 for e in events if e["from_step"] > 0)
+    turns_kept = sum(e.get("turns_kept", 0) for e in events)
+    continued = sum(1 for e in events if e.get("turns_kept", 0) > 0)
+    return {"kills": kills, "runs": runs + 1, "resumed": resumed, "turns_kept": turns_kept,
+            "episode_resumes": continued}  # fmt: skip
 
 
 def main() -> None:
@@ -188,20 +269,33 @@ def main() -> None:
         "--jitter", type=float, default=0.3, metavar="S",
         help="kill up to this many seconds after the launch's random number of new steps",
     )  # fmt: skip
+    parser.add_argument(
+        "--episodes", action="store_true",
+        help="the multi-turn shape (a user's environment, I9 checked too)",
+    )  # fmt: skip
     args = parser.parse_args()
     import tempfile
 
     with tempfile.TemporaryDirectory() as tmp:
         root = args.dir or Path(tmp)
         try:
-            result = run_chaos(args.trials, root, args.seed, extra=args.set, jitter_s=args.jitter)
+            result = run_chaos(
+                args.trials, root, args.seed, extra=args.set, jitter_s=args.jitter,
+                episodes=args.episodes,
+            )  # fmt: skip
         except ChaosViolation as err:
             print(f"chaos: VIOLATION: {err}")
             sys.exit(1)
+    held = "I1, I3, I4, I9" if args.episodes else "I1, I3, I4"
+    shape = " on the multi-turn shape" if args.episodes else ""
+    episodes = (
+        f", {result['episode_resumes']} of them continuing episodes in flight "
+        f"({result['turns_kept']} turns kept, none redone)" if args.episodes else ""
+    )  # fmt: skip
     print(
-        f"chaos: {result['kills']} kills over {result['runs']} runs at random moments "
-        f"({result['resumed']} launches resumed from a checkpoint)"
-        f"{' with ' + ' '.join(args.set) if args.set else ''}: I1, I3, I4 held in 100%"
+        f"chaos: {result['kills']} kills over {result['runs']} runs at random moments{shape} "
+        f"({result['resumed']} launches resumed from a checkpoint{episodes})"
+        f"{' with ' + ' '.join(args.set) if args.set else ''}: {held} held in 100%"
     )
 
 

@@ -19,7 +19,16 @@ seconds per token. `lossless` continues the partial samples; `lossless_without_p
 the same resume with the partials not restored (what asyncrl did before partial generations:
 the test-only `ASYNCRL_TEST_SKIP_RESTORE` switch).
 Then the checkpoint's own cost at the demo's shape: seconds the trainer is blocked per
-checkpoint against the step time.
+checkpoint against the step time. Last, the multi-turn shape (`configs/multi_turn_game.yaml`
+with the user environment `tests/user_envs/tally_game.py:TallyLong`: 8 turns an episode of
+up to 4 tokens each, a reply after each), killed right after a checkpoint with episodes in
+flight became durable and resumed under each policy:
+
+    multi_turn POLICY: skipped=S turns_regenerated=T tool_calls_repeated=C tokens_regenerated=K
+
+turns_regenerated from the resume event; tool_calls_repeated measured from the environment's
+journal (steps the checkpoint recorded that the resumed launch called again);
+tokens_regenerated measured from the timeline as above.
 
     .venv/bin/python benchmarks/resume_cost.py
 """
@@ -46,14 +55,22 @@ QUIET = ["logging.progress=false", "logging.plot=false"]
 VARIANTS = [*POLICIES[:1], "lossless_without_partials", *POLICIES[1:]]
 
 
-def train(run_dir: Path, *extra: str, fault: str = "", skip: str = "") -> int:
+def train(
+    run_dir: Path,
+    *extra: str,
+    fault: str = "",
+    skip: str = "",
+    config: str = "configs/demo.yaml",
+    env: dict[str, str] | None = None,
+) -> int:
     env = {
         **os.environ,
         "ASYNCRL_FAULT": fault,
         "ASYNCRL_TEST_SKIP_RESTORE": skip,
         "PYTHONWARNINGS": "ignore",
+        **(env or {}),
     }
-    command = [sys.executable, "-m", "asyncrl.cli", "train", str(ROOT / "configs/demo.yaml")]
+    command = [sys.executable, "-m", "asyncrl.cli", "train", str(ROOT / config)]
     done = subprocess.run(
         [*command, "--run-dir", str(run_dir), *QUIET, *extra],
         env=env,
@@ -166,10 +183,74 @@ def checkpoint_cost(tmp: Path) -> None:
     )
 
 
+MULTI_TURN = [
+    "env.name=tally_game:TallyLong",
+    "env.max_turns=8",
+    "env.max_episode_tokens=48",
+    "rollout.max_new_tokens=4",
+    "rollout.num_prompts_per_step=4",
+    "rollout.num_generations_per_prompt=4",
+    "rollout.groups_per_batch=4",
+    "rollout.max_trajectory_age_steps=1",
+    "checkpoint.save_period=2",
+]
+
+
+def journal_env(journal: Path) -> dict[str, str]:
+    paths = [str(ROOT / "tests" / "user_envs"), os.environ.get("PYTHONPATH", "")]
+    return {"PYTHONPATH": os.pathsep.join(filter(None, paths)), "TALLY_JOURNAL": str(journal)}
+
+
+def multi_turn_cost(tmp: Path) -> None:
+    """The multi-turn shape crashed with episodes in flight, resumed under each policy."""
+    base = tmp / "multi-turn-crashed"
+    print("crashing a multi-turn run right after a checkpoint with episodes in flight ...",
+          file=sys.stderr)  # fmt: skip
+    state = "checkpoint.parent_fsynced[in_flight,partial_tokens]"
+    code = train(
+        base,
+        *MULTI_TURN,
+        "run.max_num_steps=100",
+        fault=state,
+        config="configs/multi_turn_game.yaml",
+        env=journal_env(tmp / "crashed.journal"),
+    )
+    assert code == -9, f"expected a SIGKILL, got exit {code}"
+    info = inspect_run_dir(base)
+    recorded = {s for samples in info["episodes_in_flight"].values() for e in samples
+                for s in e["step_ids"]}  # fmt: skip
+    in_flight = sum(1 for samples in info["episodes_in_flight"].values() for e in samples
+                    if not e["done"])  # fmt: skip
+    print(
+        f"multi-turn checkpoint of step {info['step']}: {in_flight} episodes in flight, "
+        f"{len(recorded)} environment steps recorded, {sum(info['partial_tokens'].values())} "
+        "tokens"
+    )
+    started = max(int(t) for t in info["targets"])
+    for policy in POLICIES:
+        run_dir = tmp / f"multi-turn-{policy}"
+        shutil.copytree(base, run_dir)
+        journal = tmp / f"{policy}.journal"
+        print(f"resuming the multi-turn run under {policy} ...", file=sys.stderr)
+        code = train(run_dir, *MULTI_TURN, f"run.max_num_steps={started + 2}",
+                     f"checkpoint.resume_policy={policy}", config="configs/multi_turn_game.yaml",
+                     env=journal_env(journal))  # fmt: skip
+        assert code == 0, f"{policy}: resume exited {code}"
+        (resume,) = [e for e in read_jsonl(run_dir / "events.jsonl") if e["event"] == "resume"]
+        called = {line.split()[1] for line in journal.read_text().splitlines()}
+        tokens, _ = tokens_regenerated(run_dir, info, resume)
+        print(
+            f"multi_turn {policy}: skipped={len(resume['skipped_ordinals'])} "
+            f"turns_regenerated={resume['turns_regenerated']} "
+            f"tool_calls_repeated={len(recorded & called)} tokens_regenerated={tokens}"
+        )
+
+
 def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         crash_and_resume(Path(tmp))
         checkpoint_cost(Path(tmp))
+        multi_turn_cost(Path(tmp))
 
 
 if __name__ == "__main__":

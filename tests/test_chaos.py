@@ -35,3 +35,11 @@ def test_the_same_checker_catches_a_lossy_resume_policy(tmp_path):
             extra=["checkpoint.resume_policy=keep_incomplete", "run.max_num_steps=40"],
             fault="checkpoint.parent_fsynced[in_flight]",
         )
+
+
+def test_random_kills_of_multi_turn_episodes_keep_i9(tmp_path):
+    # the multi-turn shape (`--episodes`: a user's environment that journals its steps); six
+    # kills here, `benchmarks/chaos.py --episodes --trials 30` for the sweep
+    result = run_chaos(trials=6, root=tmp_path, seed=3, log=lambda _: None, episodes=True)
+    assert result["kills"] == 6
+    assert result["resumed"] >= 2, result  # the precondition: resumes from checkpoints

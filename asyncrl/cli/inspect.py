@@ -166,7 +166,7 @@ def render(info: dict[str, Any]) -> None:
             )
             console.print(f"  ordinal {k}: {listed}")
     costs = Table(title="what resuming this checkpoint costs")
-    columns = (
+    columns: tuple[str, ...] = (
         "policy", "prompts skipped", "finished groups discarded", "groups regenerated",
         "groups continued", "tokens kept", "tokens regenerated",
     )  # fmt: skip

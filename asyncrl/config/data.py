@@ -99,7 +99,8 @@ class EnvConfig:
     sample trained is the whole episode's tokens, the environment's masked out of the loss."""
 
     name: str = ""
-    """The environment: a built-in's name (`guess_number`) or `module:Class` for your own
+    """The environment: a built-in's name (`guess_number`, `calculator`) or `module:Class` for
+    your own
     (docs/environments.md: the protocol). Empty: single-turn completions scored by
     `data.reward_fn`."""
     max_turns: int = 4
@@ -123,6 +124,7 @@ class EnvConfig:
 
 BUILTIN_ENVIRONMENTS = {
     "guess_number": "asyncrl.tasks.games:GuessNumber",
+    "calculator": "asyncrl.tasks.tools:Calculator",
 }
 """`env.name` short names -> the class they stand for."""
 

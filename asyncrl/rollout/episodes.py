@@ -13,6 +13,7 @@ resume as the environment's `restore` kind says.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -50,8 +51,10 @@ class EpisodeRunner:
         max_turns: int,
         max_new_tokens: int,
         max_episode_tokens: int,
+        workdir: Path | None = None,
     ) -> None:
         self.env_class = env_class
+        self.workdir = workdir
         self.env_name = env_name
         self.examples = examples
         self.tokenizer = tokenizer
@@ -61,6 +64,8 @@ class EpisodeRunner:
         self.max_new_tokens = max_new_tokens
         self.max_episode_tokens = max_episode_tokens
         self.chat = bool(getattr(tokenizer, "chat_template", None))
+        if self.chat:  # the token the template ends an assistant turn with, if special
+            self.eos_id = turn_end_id(tokenizer, eos_id)
         self._envs: dict[tuple[int, int], Any] = {}
         self._prompts: dict[int, list[int]] = {}
         self.steps_called = 0  # environment steps this process called
@@ -170,6 +175,8 @@ class EpisodeRunner:
     def _new_env(self, ticket: PromptTicket, sample: int) -> tuple[Any, list[Message]]:
         """A fresh environment for one sample's episode, reset, and its opening messages."""
         env = self.env_class()
+        if self.workdir is not None and callable(getattr(env, "set_workdir", None)):
+            env.set_workdir(self.workdir)  # type: ignore[attr-defined]
         example = self.examples[ticket.dataset_index]
         try:
             opening = env.reset(example, env_seed(self.seed, ticket.ordinal, sample))
@@ -233,6 +240,26 @@ class EpisodeRunner:
                 messages, add_generation_prompt=generation, tokenize=False
             )
         )
+
+
+def turn_end_id(tokenizer: PreTrainedTokenizerBase, eos_id: int) -> int:
+    """The token a chat template closes an assistant message with (`<|im_end|>` in ChatML),
+    where it is a special or added token of its own; else `eos_id`. Generation stops an
+    episode's turn there, so the tokens are the template's (an instruct model's eos is usually
+    this token; a base tokenizer's `<|endoftext|>` is not)."""
+    marker = "ASYNCRL-TURN-END-MARKER"
+    text = str(
+        tokenizer.apply_chat_template(
+            [{"role": "user", "content": "q"}, {"role": "assistant", "content": marker}],
+            tokenize=False,
+        )
+    )
+    suffix = text[text.index(marker) + len(marker) :] if marker in text else ""
+    ids = tokenizer(suffix, add_special_tokens=False)["input_ids"] if suffix else []
+    added = set(getattr(tokenizer, "added_tokens_decoder", {})) | set(tokenizer.all_special_ids)
+    if ids and int(ids[0]) in added:  # a token of its own, not text
+        return int(ids[0])
+    return eos_id
 
 
 def _check_messages(messages: Any, where: str) -> None:

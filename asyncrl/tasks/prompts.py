@@ -35,9 +35,11 @@ def encode_prompts(
     tokenizer: PreTrainedTokenizerBase,
     max_new_tokens: int,
     max_seq_len: int,
+    budget_key: str = "rollout.max_new_tokens",
 ) -> list[list[int]]:
     """Token ids of every example's prompt. Refuses, naming the example, a prompt with
-    characters the tokenizer cannot represent or too long for the model's context."""
+    characters the tokenizer cannot represent or too long for the model's context with
+    `max_new_tokens` more (the key `budget_key` sets)."""
     unk = tokenizer.unk_token_id
     encoded = []
     for example in task.examples if isinstance(task, Task) else task:
@@ -49,7 +51,7 @@ def encode_prompts(
         if len(ids) + max_new_tokens > max_seq_len:
             raise ConfigError(
                 f"{example.origin}: prompt is {len(ids)} tokens; with "
-                f"rollout.max_new_tokens={max_new_tokens} it exceeds the model's context of "
+                f"{budget_key}={max_new_tokens} it exceeds the model's context of "
                 f"{max_seq_len} tokens"
             )
         encoded.append(ids)

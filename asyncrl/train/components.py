@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 
@@ -36,6 +37,8 @@ from asyncrl.tasks.prompts import encode_prompts
 from asyncrl.tasks.source import load_task
 
 OnBatch = Callable[[Chunk], None]
+ENV_DIR = "env"
+"""`RUN_DIR/env/`: the environments' own files (a tool's journal), kept across resumes."""
 
 
 @dataclass
@@ -107,16 +110,21 @@ def build_components(
     ranks: Ranks = SINGLE,
     device: torch.device | None = None,
     scratch_dir: str = "",
+    run_dir: str = "",
 ) -> Components:
     """Rank 0's (the only rank's) run: generation, the ledger, the buffer, the algorithm.
-    `scratch_dir`: where an engine in this process may write files (`EngineSpec`)."""
+    `scratch_dir`: where an engine in this process may write files (`EngineSpec`); `run_dir`:
+    the run's directory (environments keep files that outlive a launch under it)."""
     rollout = config.rollout
     check_engine(config)
     if rollout.backend == "threads":  # on Ray the device is the workers' (checked there)
         resolve_device("rollout.device", rollout.device)
     task, policy, build_algorithm = build_trainer_side(config, ranks, device)
     # a prompt the model cannot take is refused here, before any engine or worker starts
-    prompts = encode_prompts(task, policy.tokenizer, config.generated_tokens, policy.max_seq_len)
+    budget = "env.max_episode_tokens" if config.env.name else "rollout.max_new_tokens"
+    prompts = encode_prompts(
+        task, policy.tokenizer, config.generated_tokens, policy.max_seq_len, budget
+    )
     stream = PromptStream(
         len(task.examples),
         rollout.num_prompts_per_step,
@@ -126,7 +134,9 @@ def build_components(
     ledger = Ledger(stream)
     shutdown: list[Callable[[], None]] = []
     local = scratch_dir if rollout.backend == "threads" else ""  # a Ray worker's is its node's
-    spec = _engine_spec(config, policy, local)
+    episodes = _episode_runner(config, task, policy, run_dir)
+    # an episode's assistant turn ends where its chat template ends one (`<|im_end|>`)
+    spec = _engine_spec(config, policy, local, episodes.eos_id if episodes else policy.eos_id)
     buffer, weights, engine = _generation_backend(config, spec, shutdown)
     pool = task_reward_pool(task, rollout)
     shutdown.append(pool.close)
@@ -156,7 +166,7 @@ def build_components(
         chunk_tokens=rollout.chunk_tokens,
         mid_generation_updates=rollout.update_weights_mid_generation,
         weights=weights,
-        episodes=_episode_runner(config, task, policy),
+        episodes=episodes,
     )
     return Components(
         policy, task, stream, ledger, buffer, weights, engine, collector, algo, scorer, shutdown,
@@ -164,8 +174,11 @@ def build_components(
     )  # fmt: skip
 
 
-def _episode_runner(config: Config, task: Task, policy: Policy) -> EpisodeRunner | None:
-    """With `env.name`: what plays the episodes for the collector."""
+def _episode_runner(
+    config: Config, task: Task, policy: Policy, run_dir: str
+) -> EpisodeRunner | None:
+    """With `env.name`: what plays the episodes for the collector (an environment's files,
+    such as a tool's journal, go to `RUN_DIR/env/`)."""
     env = config.env
     if not env.name:
         return None
@@ -179,14 +192,15 @@ def _episode_runner(config: Config, task: Task, policy: Policy) -> EpisodeRunner
         env.max_turns,
         config.rollout.max_new_tokens,
         env.max_episode_tokens,
+        Path(run_dir) / ENV_DIR if run_dir else None,
     )
 
 
-def _engine_spec(config: Config, policy: Policy, scratch_dir: str) -> EngineSpec:
+def _engine_spec(config: Config, policy: Policy, scratch_dir: str, eos_id: int) -> EngineSpec:
     rollout = config.rollout
     return EngineSpec(
         policy.model,
-        policy.eos_id,
+        eos_id,
         policy.pad_id,
         config.generated_tokens,
         rollout.temperature,

@@ -110,10 +110,14 @@ class Trainer:
         scratch = str(self.run_dir / SCRATCH_DIR)
         try:
             if group is None:
-                self.parts = build_components(config, self._on_batch, scratch_dir=scratch)
+                self.parts = build_components(
+                    config, self._on_batch, scratch_dir=scratch, run_dir=str(self.run_dir)
+                )
             else:
                 ranks = group.ranks
-                self.parts = build_components(config, self._on_batch, ranks, ranks.device, scratch)
+                self.parts = build_components(
+                    config, self._on_batch, ranks, ranks.device, scratch, str(self.run_dir)
+                )
         except BaseException:
             self.logs.close()  # nothing of a launch that never started stays open
             raise

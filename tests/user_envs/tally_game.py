@@ -71,3 +71,9 @@ class TallyState(Tally):
 
 class TallyRestart(Tally):
     restore = "restart"
+
+
+class TallyLong(TallyState):
+    """Eight turns an episode: `benchmarks/resume_cost.py`'s long multi-turn shape."""
+
+    max_turns = 8

@@ -1,0 +1,127 @@
+"""The calculator tool environment (`env.name=calculator`) and episodes through a chat
+template: the calculator's arithmetic, its journal (a step id is called at most once, across
+processes and kills), and a chat model's episodes whose tokens decode to exactly what the
+tokenizer's chat template renders for the same conversation, turn by turn."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from helpers import small_config
+
+from asyncrl.examples.math_chat import prepare
+from asyncrl.tasks import tools
+from asyncrl.tasks.examples import Example
+from asyncrl.tasks.tools import Calculator, Journal, calculate
+
+
+def test_the_calculator_does_arithmetic_and_nothing_else():
+    assert calculate("2 + 3 * 4") == "14"
+    assert calculate("(7 - 1) / 4") == "1.5"
+    assert calculate("-3*-3") == "9"
+    assert calculate("1/0").startswith("error")
+    assert calculate("__import__('os').getcwd()").startswith("error")
+    assert calculate("2 ** 10").startswith("error")  # not one of + - * /
+    assert calculate("9" * 20 + "*" + "9" * 20).startswith("error")
+
+
+def test_a_step_id_is_called_at_most_once_even_by_another_process(tmp_path, monkeypatch):
+    path = tmp_path / "calculator.jsonl"
+    assert Journal(path).call("3:1:0", "6*7") == "42"
+
+    def must_not_run(expression: str) -> str:
+        raise AssertionError(f"called again: {expression}")
+
+    monkeypatch.setattr(tools, "calculate", must_not_run)
+    again = Journal(path)  # what a resumed process reads
+    assert again.call("3:1:0", "6*7") == "42"
+    rows = [json.loads(line) for line in path.read_text().splitlines()]
+    assert rows == [{"step_id": "3:1:0", "expression": "6*7", "result": "42"}]
+    with open(path, "a") as f:
+        f.write('{"step_id": "3:1:1", "expr')  # a line torn by a kill was never used
+    assert "3:1:1" not in Journal(path).results
+
+
+def test_a_turn_calls_the_tool_answers_or_is_reminded(tmp_path):
+    env = Calculator()
+    env.set_workdir(tmp_path)
+    example = Example("q", "12", "x", ({"role": "user", "content": "What is 3 times 4?"},))
+    opening = env.reset(example, 0)
+    assert "<calc>" in opening[-1]["content"] and opening[-1]["content"].startswith("What is")
+    out = env.step("I compute <calc>3*4</calc>", "0:0:0")
+    assert out.messages == [{"role": "user", "content": "<result>12</result>"}] and not out.done
+    assert env.step("hmm", "0:0:1").messages[0]["content"] == tools.REMINDER
+    done = env.step("So \\boxed{12}.", "0:0:2")
+    assert done.done and done.reward == pytest.approx(1.2)  # correct + 0.2 format
+    assert [json.loads(x)["step_id"] for x in (tmp_path / "calculator.jsonl").open()] == ["0:0:0"]
+
+
+@pytest.fixture(scope="module")
+def chat_files(tmp_path_factory):
+    return prepare(tmp_path_factory.mktemp("math_chat"))
+
+
+def test_chat_episodes_are_the_chat_templates_tokens_turn_by_turn(chat_files, tmp_path):
+    """Oracle: the tokenizer's own rendering of each conversation so far. At every turn
+    boundary, prompt + episode tokens decode to `apply_chat_template(history,
+    add_generation_prompt=True)`: the replies were appended as the template continues, and the
+    history was never re-tokenized differently."""
+    from transformers import AutoTokenizer
+
+    from asyncrl.train.components import build_components
+
+    config = small_config(
+        f"model.path={chat_files['model']}", "data.task=hf", f"data.path={chat_files['train']}",
+        "data.messages_key=messages", "env.name=calculator", "env.max_turns=3",
+        "env.max_episode_tokens=96", "rollout.max_new_tokens=6",
+    )  # fmt: skip
+    parts = build_components(config, run_dir=str(tmp_path))
+    parts.weights.publish(0, parts.algo.policy_weights())
+    parts.collector.publish_version(0)
+    tickets = parts.ledger.admit(0, 1, config.rollout.num_prompts_per_step, 10)
+    parts.collector._generate(tickets)
+    groups = parts.buffer.sample(0)
+    tok = AutoTokenizer.from_pretrained(chat_files["model"])
+    special = set(tok.all_special_ids)
+    checked = replies = 0
+    for g in groups:
+        example = parts.task.examples[g.ticket.dataset_index]
+        for i in range(g.num_generations):
+            real = g.completion_mask[i]
+            ids = g.completion_ids[i][real].tolist()
+            mine = g.loss_mask[i][real].tolist()
+            # split into turns: (assistant ids, reply ids)
+            turns: list[tuple[list[int], list[int]]] = []
+            for token, is_policy in zip(ids, mine, strict=True):
+                if is_policy and (not turns or turns[-1][1]):
+                    turns.append(([], []))
+                (turns[-1][0] if is_policy else turns[-1][1]).append(token)
+            if any(t in special for a, _ in turns for t in a[:-1]):
+                continue  # a special token mid-turn: its text is not the template's to render
+            env = Calculator()
+            history = env.reset(example, 0)
+            at = list(g.prompt_ids)
+            assert tok.decode(at) == tok.apply_chat_template(
+                history, add_generation_prompt=True, tokenize=False
+            )
+            for assistant, reply in turns:
+                at += assistant + reply
+                if not reply:
+                    break  # the episode's last turn
+                text = tok.decode(assistant, skip_special_tokens=True)
+                history += [{"role": "assistant", "content": text}, *env.step(text, "x").messages]
+                expected = tok.apply_chat_template(
+                    history, add_generation_prompt=True, tokenize=False
+                )
+                assert tok.decode(at) == expected
+                replies += 1
+            checked += 1
+    assert checked >= 4 and replies >= 4, (checked, replies)
+    # the environment's tokens are not trained, and the batch the trainer builds is these ids
+    from asyncrl.algos.update import stack_groups
+
+    batch = stack_groups(groups, parts.policy.pad_id)
+    assert torch.equal(batch["token_mask"][0, : groups[0].completion_mask.shape[1]],
+                       groups[0].completion_mask[0])  # fmt: skip
