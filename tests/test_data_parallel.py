@@ -167,3 +167,17 @@ def test_each_rank_is_sent_its_own_rows_alone_and_every_pass_it_runs_finds_them(
                 assert len(sent["distinct_prompts"]) <= len(touched)
             for micro in rank_micro_batches(num_rows, 3, rank, world_size):
                 assert own.start <= micro.rows.start < micro.rows.stop <= own.stop
+
+
+@pytest.mark.slow
+def test_two_ranks_give_an_episode_steps_one_process_gradients(tmp_path):
+    """Multi-turn episodes (environment tokens attended to, not trained) on 2 ranks."""
+    from helpers import SMALL
+    from test_episodes import EPISODE_STEP, play_batch
+
+    _, _, episode_groups = play_batch()
+    oracle, whole = step_gradients(episode_groups, [*SMALL, *EPISODE_STEP])
+    case = [*SMALL, *EPISODE_STEP, "train.num_processes=2", "train.micro_batch_size=3"]
+    ((grads, metrics),) = ranks_gradients(tmp_path, episode_groups, [case], 2)
+    assert worst_relative_error(oracle, grads) <= 1e-6
+    assert metrics["loss"] == pytest.approx(whole["loss"], rel=1e-5)

@@ -292,3 +292,25 @@ def test_the_game_examples_and_environment():
     assert other.rng.random() == env.rng.random()  # the RNG is part of the state
     result = other.step(str(secret), "0:0:1")
     assert result.done and result.reward == pytest.approx(0.8)
+
+
+EPISODE_STEP = [
+    *GAME,
+    "algo.max_grad_norm=0",  # compare the raw accumulated gradients
+    "algo.kl_coef=0.1",  # every loss term: surrogate, KL penalty, entropy bonus
+    "algo.entropy_coef=0.01",
+]
+
+
+def test_micro_batches_give_an_episode_step_the_one_pass_gradients():
+    from helpers import SMALL
+    from rank_gradients import step_gradients
+    from test_micro_batches import worst_relative_error
+
+    _, _, groups = play_batch()
+    whole, metrics = step_gradients(groups, [*SMALL, *EPISODE_STEP])
+    assert any(float(g.norm()) > 0 for g in whole[0].values())
+    micro = [*SMALL, *EPISODE_STEP, "train.micro_batch_size=3"]
+    parts, part_metrics = step_gradients(groups, micro)
+    assert worst_relative_error(whole, parts) <= 1e-6
+    assert part_metrics["loss"] == pytest.approx(metrics["loss"], rel=1e-5)

@@ -42,6 +42,22 @@ def test_a_step_id_is_called_at_most_once_even_by_another_process(tmp_path, monk
     with open(path, "a") as f:
         f.write('{"step_id": "3:1:1", "expr')  # a line torn by a kill was never used
     assert "3:1:1" not in Journal(path).results
+    assert path.read_text().endswith("}\n")  # cut off, so the next call's line is whole
+
+
+def test_audit_finds_an_environment_step_executed_twice(tmp_path):
+    from asyncrl.cli.audit import AuditReport, _audit_journals
+
+    folder = tmp_path / "env"
+    Journal(folder / "calculator.jsonl").call("0:0:0", "1+1")
+    Journal(folder / "calculator.jsonl").call("0:1:0", "2+2")
+    report = AuditReport(1, 4, 0)
+    _audit_journals(folder, report)
+    assert report.ok and report.num_env_steps == 2
+    with open(folder / "calculator.jsonl", "a") as f:  # what a journal-less retry would do
+        f.write(json.dumps({"step_id": "0:1:0", "expression": "2+2", "result": "4"}) + "\n")
+    _audit_journals(folder, report)
+    assert not report.ok and "0:1:0" in report.violations[0]
 
 
 def test_a_turn_calls_the_tool_answers_or_is_reminded(tmp_path):

@@ -6,6 +6,9 @@
   re-dispatched (in flight at the checkpoint), so no buffered group is regenerated; and a
   re-dispatched ordinal whose partial samples the resume continued generates no token a
   sample already had, and nothing for a sample that had finished.
+- I9 (multi-turn runs whose environments journal their steps in `RUN_DIR/env/*.jsonl`, one
+  JSON object with a `step_id` a line, as the built-in calculator does): each environment step
+  was executed once.
 """
 
 from __future__ import annotations
@@ -26,6 +29,8 @@ class AuditReport:
     num_ordinals: int
     num_resumes: int
     violations: list[str] = field(default_factory=list)
+    num_env_steps: int | None = None
+    """Environment steps the run's journals hold (None: no journal)."""
 
     @property
     def ok(self) -> bool:
@@ -178,7 +183,30 @@ def audit_run_dir(run_dir: Path) -> AuditReport:
         metrics, events, timeline, int(config["rollout"]["num_prompts_per_step"])
     )
     report.violations[:0] = [f"damaged record: {p}" for name in FILES for p in problems[name]]
+    _audit_journals(run_dir / "env", report)
     return report
+
+
+def _audit_journals(folder: Path, report: AuditReport) -> None:
+    """I9 from the environments' journals: no step id executed twice."""
+    journals = sorted(folder.glob("*.jsonl")) if folder.is_dir() else []
+    if not journals:
+        return
+    report.num_env_steps = 0
+    for path in journals:
+        problems: list[str] = []
+        seen: dict[str, int] = {}
+        for row in iter_jsonl(path, problems):
+            if isinstance(row, dict) and "step_id" in row:
+                seen[str(row["step_id"])] = seen.get(str(row["step_id"]), 0) + 1
+        report.num_env_steps += len(seen)
+        report.violations += [f"damaged record: {p}" for p in problems]
+        twice = sorted(s for s, n in seen.items() if n > 1)
+        if twice:
+            report.violations.append(
+                f"I9: environment steps executed more than once ({path.parent.name}/"
+                f"{path.name}): {', '.join(twice[:10])}"
+            )
 
 
 FILES = ("metrics", "events", "timeline")
@@ -191,7 +219,8 @@ def format_report(report: AuditReport, run_dir: Path, limit: int = 20) -> str:
         f"{report.num_resumes} resumes"
     )
     if report.ok:
-        return f"{head}: I1 ok, I3 ok"
+        steps = report.num_env_steps
+        return f"{head}: I1 ok, I3 ok" + (f", I9 ok ({steps} environment steps)" if steps else "")
     lines = [f"{head}: {len(report.violations)} violations"]
     lines += [f"  {v}" for v in report.violations[:limit]]
     if len(report.violations) > limit:

@@ -77,11 +77,17 @@ class Journal:
     def __init__(self, path: Path) -> None:
         self.path = path
         self.results: dict[str, str] = {}
-        if path.exists():
-            for line in path.read_text().splitlines():
-                if line.endswith("}"):  # a line torn by a kill was never used
-                    row = json.loads(line)
-                    self.results.setdefault(row["step_id"], row["result"])
+        if not path.exists():
+            return
+        data = path.read_bytes()
+        if data and not data.endswith(b"\n"):  # torn by a kill mid-write: never used
+            data = data[: data.rfind(b"\n") + 1]
+            with open(path, "r+b") as f:
+                f.truncate(len(data))
+                os.fsync(f.fileno())
+        for line in data.decode().splitlines():
+            row = json.loads(line)
+            self.results.setdefault(row["step_id"], row["result"])
 
     def call(self, step_id: str, expression: str) -> str:
         """The recorded result of `step_id`, or the calculator's, journaled first."""
