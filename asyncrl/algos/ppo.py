@@ -38,6 +38,7 @@ from asyncrl.algos.update import (
     select,
     stack_groups,
     to_device,
+    token_mask,
 )
 from asyncrl.checkpoint.store import CheckpointError
 from asyncrl.config.algos import PPOOptions
@@ -201,14 +202,19 @@ class PPO:
             )
 
     def _values(self, batch: dict[str, Any]) -> torch.Tensor:
+        """V(s_t) at the trained tokens (an episode's environment tokens are attended to, and
+        get no value: GAE runs over the policy's tokens)."""
         with autocast(self.device, self.dtype):
-            return completion_values(
+            values = completion_values(
                 self.critic,
                 batch["prompts"],
                 batch["completion_ids"],
-                batch["completion_mask"],
+                token_mask(batch),
                 self.pad_id,
             )
+        if "token_mask" not in batch:
+            return values
+        return values * batch["completion_mask"].to(values.device, values.dtype)
 
     def _reference(self, batch: dict[str, Any]) -> torch.Tensor:
         assert self.reference is not None

@@ -476,12 +476,6 @@ class Config:
     def _validate_episodes(self) -> None:
         """What multi-turn episodes (`env.name`) do not run with yet."""
         _require(
-            self.algo.name in ("grpo", "rloo"),
-            "algo.name",
-            self.algo.name,
-            "grpo or rloo with env.name set (PPO's values over episodes are not built yet)",
-        )
-        _require(
             self.eval.every_steps == 0,
             "eval.every_steps",
             self.eval.every_steps,

@@ -79,6 +79,31 @@ def gae(
     return advantages, advantages + values
 
 
+def _is_prefix(mask: torch.Tensor) -> bool:
+    """Each row's true positions come first, with no gap."""
+    counts = mask.sum(dim=1, keepdim=True)
+    return bool(torch.equal(mask, torch.arange(mask.shape[1], device=mask.device) < counts))
+
+
+def pack(mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each row's true positions moved to its front, in order: (index [B, T'], packed mask
+    [B, T']) with `T'` the most true positions of a row; `x.gather(1, index)` packs a tensor.
+    The index of a packed padding position names one of the row's false positions."""
+    order = torch.sort((~mask).to(torch.int8), dim=1, stable=True).indices
+    width = int(mask.sum(dim=1).max()) if mask.numel() else 0
+    packed = torch.arange(width, device=mask.device) < mask.sum(dim=1, keepdim=True)
+    return order[:, :width], packed
+
+
+def unpack(
+    values: torch.Tensor, index: torch.Tensor, packed: torch.Tensor, width: int
+) -> torch.Tensor:
+    """The inverse of `pack` for a [B, T'] tensor: [B, width], each value back at its
+    position, zero elsewhere."""
+    out = torch.zeros(index.shape[0], width, dtype=values.dtype, device=values.device)
+    return out.scatter(1, index, values * packed.to(values.dtype))
+
+
 def whiten(values: torch.Tensor, mask: torch.Tensor, eps: float = 1e-8) -> torch.Tensor:
     """Normalises `values` to mean 0, std 1 over the positions where `mask` is true (population
     std); masked positions become 0. PPO's advantage normalisation over a batch of tokens."""
@@ -100,12 +125,24 @@ def ppo_advantages(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """PPO's advantages for outcome-rewarded completions, one episode per row.
 
-    sequence_rewards: [B]; values: [B, T] V(s_t) from the critic; mask: [B, T] real tokens;
-    token_penalty: [B, T] subtracted from each token's reward (the KL penalty, when it goes in
-    the reward). Each episode ends at its last real token, so nothing is bootstrapped past it.
-    Returns (advantages, returns, raw advantages), [B, T] each, zero at masked positions;
-    `advantages` are whitened when `normalize`.
+    sequence_rewards: [B]; values: [B, T] V(s_t) from the critic; mask: [B, T] the policy's
+    tokens; token_penalty: [B, T] subtracted from each token's reward (the KL penalty, when it
+    goes in the reward). Each episode ends at its last real token, so nothing is bootstrapped
+    past it. GAE runs over the policy's tokens alone, in order: where a multi-turn episode has
+    environment tokens between turns (masked out), the policy token before them is followed by
+    the one after them. Returns (advantages, returns, raw advantages), [B, T] each, zero at
+    masked positions; `advantages` are whitened when `normalize`.
     """
+    mask = mask.bool()
+    if not _is_prefix(mask):  # gaps: GAE over the packed policy tokens, scattered back
+        index, packed = pack(mask)
+        penalty = None if token_penalty is None else token_penalty.gather(1, index)
+        _, ret, raw = ppo_advantages(
+            sequence_rewards, values.gather(1, index), packed, gamma, lam, False, penalty
+        )
+        width = mask.shape[1]
+        raw, ret = unpack(raw, index, packed, width), unpack(ret, index, packed, width)
+        return (whiten(raw, mask) if normalize else raw), ret, raw
     real = mask.to(values.dtype)
     rewards = terminal_rewards(sequence_rewards, mask)
     if token_penalty is not None:
