@@ -159,6 +159,20 @@ def test_a_resume_that_does_not_restore_the_environments_is_caught(tmp_path, rep
     assert fingerprint(run) != reference
 
 
+def test_audit_catches_a_lossless_resume_that_lost_its_episodes(tmp_path, repo_root):
+    """Negative control of audit's I9: the partial samples not restored (a test switch), so
+    the episodes start over and ask for recorded steps again, while the resume, planned from
+    what it restored, declares no repeat; the checkpoint event says what the cut held."""
+    run = tmp_path / "run"
+    code, _, out = run_to(run, repo_root, "TallyState", f"{IN_FLIGHT}>episode.env_step:2")
+    assert code == -signal.SIGKILL, out[-2000:]
+    proc = launch(run, repo_root, "TallyState", skip="ledger.partial")
+    out, _ = proc.communicate(timeout=480)
+    assert proc.returncode == 0, out[-3000:]
+    report = audit_run_dir(run)
+    assert [v for v in report.violations if v.startswith("I9: attempt 1 asked again")], report
+
+
 @pytest.mark.parametrize(
     ("env_name", "policy", "repeats"),
     [

@@ -6,9 +6,13 @@
   re-dispatched (in flight at the checkpoint), so no buffered group is regenerated; and a
   re-dispatched ordinal whose partial samples the resume continued generates no token a
   sample already had, and nothing for a sample that had finished.
-- I9 (multi-turn runs whose environments journal their steps in `RUN_DIR/env/*.jsonl`, one
-  JSON object with a `step_id` a line, as the built-in calculator does): each environment step
-  was executed once.
+- I9 (multi-turn runs, from `RUN_DIR/env_steps.jsonl`: every environment step asked for, with
+  its attempt): no step a checkpoint recorded (its `checkpoint` event's `recorded_steps`) is
+  asked for again by the attempt that resumed from it unless that resume declared it
+  (`tool_calls_repeated`, as `restart_episode` does); each episode's steps are its turns 0,
+  1, 2, ... without a gap; and in the environments' own journals (`RUN_DIR/env/*.jsonl`, a
+  JSON object with a `step_id` a line, as the built-in calculator keeps) no step was executed
+  twice.
 """
 
 from __future__ import annotations
@@ -183,8 +187,47 @@ def audit_run_dir(run_dir: Path) -> AuditReport:
         metrics, events, timeline, int(config["rollout"]["num_prompts_per_step"])
     )
     report.violations[:0] = [f"damaged record: {p}" for name in FILES for p in problems[name]]
+    _audit_steps(run_dir, report)
     _audit_journals(run_dir / "env", report)
     return report
+
+
+def _audit_steps(run_dir: Path, report: AuditReport) -> None:
+    """I9 from the steps log and the resume events (see the module docstring)."""
+    path = run_dir / "env_steps.jsonl"
+    if not path.exists():
+        return
+    problems: list[str] = []
+    asked = [(str(r["step_id"]), int(r["attempt"])) for r in iter_jsonl(path, problems)]
+    report.violations += [f"damaged record: {p}" for p in problems]
+    report.num_env_steps = len({s for s, _ in asked})
+    saved: dict[int, list[str]] = {}  # checkpoint step -> the steps its cut held, as written
+    for event in iter_jsonl(run_dir / "events.jsonl"):
+        if event.get("event") == "checkpoint" and "recorded_steps" in event:
+            saved[int(event["step"])] = event["recorded_steps"]
+        if event.get("event") != "resume":
+            continue
+        # what the cut held as its writer recorded it (a resume's own account may have lost
+        # what its restore lost), else as the resume read it
+        recorded = set(saved.get(int(event["from_step"]), event.get("recorded_steps", [])))
+        for later in [k for k in saved if k > int(event["from_step"])]:
+            del saved[later]  # never durable (else the resume would be from it): rewritten
+        # the resumed attempt (a later one resumes from a later cut, checked by its own event;
+        # a finished group generated again would break I3)
+        again = sorted({s for s, a in asked if a == event["attempt"] and s in recorded})
+        if again and not event.get("tool_calls_repeated"):
+            report.violations.append(
+                f"I9: attempt {event['attempt']} asked again for {len(again)} "
+                f"environment steps step {event['from_step']}'s checkpoint had recorded "
+                f"(the resume declared none): {', '.join(again[:10])}"
+            )
+    turns: dict[str, set[int]] = {}
+    for step_id, _ in asked:
+        ordinal, sample, turn = step_id.split(":")
+        turns.setdefault(f"{ordinal}:{sample}", set()).add(int(turn))
+    gaps = sorted(k for k, t in turns.items() if t != set(range(max(t) + 1)))
+    if gaps:
+        report.violations.append(f"I9: episodes whose steps skip a turn: {', '.join(gaps[:10])}")
 
 
 def _audit_journals(folder: Path, report: AuditReport) -> None:
@@ -192,21 +235,22 @@ def _audit_journals(folder: Path, report: AuditReport) -> None:
     journals = sorted(folder.glob("*.jsonl")) if folder.is_dir() else []
     if not journals:
         return
-    report.num_env_steps = 0
+    journaled = 0
     for path in journals:
         problems: list[str] = []
         seen: dict[str, int] = {}
         for row in iter_jsonl(path, problems):
             if isinstance(row, dict) and "step_id" in row:
                 seen[str(row["step_id"])] = seen.get(str(row["step_id"]), 0) + 1
-        report.num_env_steps += len(seen)
         report.violations += [f"damaged record: {p}" for p in problems]
+        journaled += len(seen)
         twice = sorted(s for s, n in seen.items() if n > 1)
         if twice:
             report.violations.append(
                 f"I9: environment steps executed more than once ({path.parent.name}/"
                 f"{path.name}): {', '.join(twice[:10])}"
             )
+    report.num_env_steps = report.num_env_steps or journaled
 
 
 FILES = ("metrics", "events", "timeline")

@@ -92,7 +92,7 @@ def _saved_ledger(
         buffered,
         partial_tokens={k: sum(v["lengths"]) for k, v in samples.items()},
         buffered_tokens=tokens_per_group(decoded["buffer"]),
-        partial_turns={k: sum(e["turns"] for e in v if not e["done"]) for k, v in episodes.items()},
+        partial_turns={k: sum(e["turns"] for e in v) for k, v in episodes.items()},
     )
     return saved, samples, episodes
 

@@ -19,6 +19,17 @@ from typing import Any
 Message = dict[str, str]
 
 
+def recorded_steps(ledger_state: dict[str, Any]) -> list[str]:
+    """The environment steps a ledger's saved state holds: every turn of every episode of its
+    partial samples (what a `lossless` resume must not ask for again)."""
+    return sorted(
+        str(turn["step_id"])
+        for partial in ledger_state.get("partial", {}).values()
+        for episode in partial.get("episodes", ())
+        for turn in episode["turns"]
+    )
+
+
 def step_id(ordinal: int, sample: int, turn: int) -> str:
     """The id of a turn's environment step: the same on every attempt of the run."""
     return f"{ordinal}:{sample}:{turn}"

@@ -96,7 +96,7 @@ class Ledger:
             buffered=buffered,
             partial_tokens={k: p.num_tokens for k, p in sorted(self.partials.items())},
             partial_turns={
-                k: sum(e.num_turns for e in p.episodes if not e.done)
+                k: sum(e.num_turns for e in p.episodes)
                 for k, p in sorted(self.partials.items())
                 if p.episodes is not None
             },

@@ -40,7 +40,7 @@ class SavedLedger:
     buffered_tokens: dict[int, int] = field(default_factory=dict)
     """Buffered ordinal -> tokens of its finished group."""
     partial_turns: dict[int, int] = field(default_factory=dict)
-    """In-flight ordinal -> completed turns of its partial episodes (multi-turn runs)."""
+    """In-flight ordinal -> the turns its episodes took so far (multi-turn runs)."""
 
     def buffered_per_target(self) -> dict[int, int]:
         counts: dict[int, int] = {}

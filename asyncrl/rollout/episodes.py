@@ -12,6 +12,7 @@ resume as the environment's `restore` kind says.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -52,9 +53,14 @@ class EpisodeRunner:
         max_new_tokens: int,
         max_episode_tokens: int,
         workdir: Path | None = None,
+        steps_log: Path | None = None,
     ) -> None:
         self.env_class = env_class
         self.workdir = workdir
+        self.steps_log = steps_log
+        """`RUN_DIR/env_steps.jsonl`: every environment step this run asked for, with the
+        launch's attempt (what `audit` checks I9 from)."""
+        self.attempt = 0  # the trainer sets its own
         self.env_name = env_name
         self.examples = examples
         self.tokenizer = tokenizer
@@ -150,6 +156,7 @@ class EpisodeRunner:
         try:
             messages, reward, done = env.step(text, sid)
             self.steps_called += 1
+            self._log_step(sid)
             fault_point("episode.env_step")
         except Exception as err:
             raise EpisodeError(f"env.name={self.env_name}: step {sid} raised {err!r}") from err
@@ -169,6 +176,14 @@ class EpisodeRunner:
         )
         limit = opened.limit(self.max_new_tokens, self.max_episode_tokens)
         return partial.with_reply(i, reply, limit, opened)
+
+    def _log_step(self, sid: str) -> None:
+        """Appends the step to the steps log (flushed: a SIGKILL loses at most a torn line)."""
+        if self.steps_log is None:
+            return
+        self.steps_log.parent.mkdir(parents=True, exist_ok=True)
+        with open(self.steps_log, "a") as f:
+            f.write(json.dumps({"step_id": sid, "attempt": self.attempt}) + "\n")
 
     # --- environments and rendering
 

@@ -39,6 +39,8 @@ from asyncrl.tasks.source import load_task
 OnBatch = Callable[[Chunk], None]
 ENV_DIR = "env"
 """`RUN_DIR/env/`: the environments' own files (a tool's journal), kept across resumes."""
+ENV_STEPS = "env_steps.jsonl"
+"""`RUN_DIR/env_steps.jsonl`: every environment step asked for, with its attempt."""
 
 
 @dataclass
@@ -193,6 +195,7 @@ def _episode_runner(
         config.rollout.max_new_tokens,
         env.max_episode_tokens,
         Path(run_dir) / ENV_DIR if run_dir else None,
+        Path(run_dir) / ENV_STEPS if run_dir else None,
     )
 
 

@@ -44,6 +44,7 @@ from asyncrl.checkpoint.writer import CheckpointWriter
 from asyncrl.config import Config
 from asyncrl.config.keys import benign_differences, config_hash
 from asyncrl.core.buffer import tokens_per_group
+from asyncrl.core.episodes import recorded_steps
 from asyncrl.core.resume import ResumePlan, plan_resume
 from asyncrl.faults import cut_facts, fault_point
 from asyncrl.models.device import dtype_line, model_device
@@ -124,9 +125,13 @@ class Trainer:
         self.rng = RNGState()
         self.step = 0
         self.attempt = run.attempt
+        if self.parts.collector.episodes is not None:  # its steps log names the attempt
+            self.parts.collector.episodes.attempt = self.attempt
         self.last_saved_step = -1
         self._wall_s: float | None = None  # `wall_s` of the last step record; a resume's offset
         self.continued: dict[int, tuple[list[int], list[bool]]] = {}
+        self.recorded_steps: list[str] = []
+        self._cut_steps: list[str] | None = None
         self._start_s = time.perf_counter()
         self.staging = StagingArea(
             {"auto": None, "keep": True, "release": False}[config.checkpoint.staging_buffer]
@@ -189,6 +194,7 @@ class Trainer:
             states = {name: part.state_dict() for name, part in parts.items()}
             cut = self.staging.stage(states, self.config.to_dict(), STAGED_IN_BACKGROUND)
             cut.facts = cut_facts(states)
+            self._cut_steps = recorded_steps(states["ledger"]) if self.config.env.name else None
             pause_s = time.perf_counter() - start
         return cut, pause_s
 
@@ -202,6 +208,7 @@ class Trainer:
         tokens = tokens_per_group(snapshot.parts["buffer"])
         saved = ledger.saved(self.step, buffer.ordinals_and_targets(), tokens)
         self.continued = {k: (p.lengths, p.finished.tolist()) for k, p in ledger.partials.items()}
+        self.recorded_steps = recorded_steps(ledger.state_dict())  # as restored
         restarts = bool(self.config.env.name) and (
             environment_class(self.config.env.name).restore == "restart"
         )
@@ -267,6 +274,7 @@ class Trainer:
             from_step=self.step,
             cursor=cursor,
             **plan_fields(plan, self.continued, episodes=bool(self.config.env.name)),
+            **({"recorded_steps": self.recorded_steps} if self.config.env.name else {}),
             rejected_checkpoints=self.run.rejected,
             config_changes={**benign_differences(saved_config, self.config), **self.run.notes},
             forced_config_changes=self.run.forced_changes,
@@ -454,6 +462,8 @@ class Trainer:
             "pause_s": pause_s,
             "reason": reason,
             **cut.facts,
+            # multi-turn: the environment steps the cut holds (`audit` checks resumes by them)
+            **({} if self._cut_steps is None else {"recorded_steps": self._cut_steps}),
         }
         info.update(self.schedule.saved(time.perf_counter()))
         self.writer.submit(self.step, cut, info)

@@ -3,9 +3,10 @@ folder on PYTHONPATH): the tests' proof that `module:Class` works end to end.
 
 The episode keeps a running tally: it starts at a digit drawn from the episode's seed; each
 turn adds the digits of the assistant's text and one more draw of the environment's RNG, mod
-10, and the environment answers with the new tally. After 3 turns it ends with reward 1 if the
-tally is 7. Every step is written to the journal `$TALLY_JOURNAL` (`PID STEP_ID` a line): the
-tests read which process called which step.
+10, and the environment answers with the new tally. After 3 turns it ends with reward
+tally / 9 (so an environment restored wrong changes the reward, even on the last turn). Every
+step is written to the journal `$TALLY_JOURNAL` (`PID STEP_ID` a line): the tests read which
+process called which step.
 
 Three classes, one per way of coming back after a resume: `Tally` replays its recorded turns
 (checking each against what it would have answered), `TallyState` saves its state, and
@@ -42,7 +43,7 @@ class Tally:
         digits = sum(int(c) for c in text if c.isdigit())
         self.tally = (self.tally + digits + self.rng.randint(0, 9)) % 10
         done = self.turns >= self.max_turns
-        reward = (1.0 if self.tally == 7 else 0.0) if done else None
+        reward = self.tally / 9 if done else None
         return ([] if done else [{"role": "user", "content": str(self.tally)}]), reward, done
 
     def step(self, text: str, step_id: str) -> tuple[list[dict[str, str]], float | None, bool]:
