@@ -13,7 +13,6 @@ environment that can only restart, call recorded steps again and say so in the r
 
 from __future__ import annotations
 
-import hashlib
 import os
 import signal
 import subprocess
@@ -22,7 +21,7 @@ from pathlib import Path
 
 import pytest
 from helpers import read_records
-from safetensors.torch import load_file
+from test_determinism import fingerprint
 
 from asyncrl.cli.audit import audit_run_dir
 from asyncrl.cli.inspect import inspect_run_dir
@@ -85,18 +84,6 @@ def recorded_steps(run: Path) -> set[str]:
     info = inspect_run_dir(run)
     return {s for samples in info["episodes_in_flight"].values() for e in samples
             for s in e["step_ids"]}  # fmt: skip
-
-
-def fingerprint(run: Path) -> tuple[list[tuple], str]:
-    final = {r["step"]: r for r in read_records(run / "metrics.jsonl")}
-    steps = [(t, final[t]["loss"], final[t]["reward_mean"], final[t]["tokens_sha256"])
-             for t in sorted(final)]  # fmt: skip
-    weights = load_file(run / "final_model" / "model.safetensors")
-    digest = hashlib.sha256()
-    for name in sorted(weights):
-        digest.update(name.encode())
-        digest.update(weights[name].numpy().tobytes())
-    return steps, digest.hexdigest()
 
 
 def kill_resume_and_finish(run: Path, repo_root: Path, env_name: str, faults: list[str],
@@ -164,8 +151,13 @@ def test_audit_catches_a_lossless_resume_that_lost_its_episodes(tmp_path, repo_r
     the episodes start over and ask for recorded steps again, while the resume, planned from
     what it restored, declares no repeat; the checkpoint event says what the cut held."""
     run = tmp_path / "run"
-    code, _, out = run_to(run, repo_root, "TallyState", f"{IN_FLIGHT}>episode.env_step:2")
+    # killed writing the next checkpoint: its write began after the previous one's writer had
+    # recorded that checkpoint's event (`recorded_steps`), which the resume then starts from
+    code, _, out = run_to(run, repo_root, "TallyState", f"{IN_FLIGHT}>checkpoint.file_written")
     assert code == -signal.SIGKILL, out[-2000:]
+    step = inspect_run_dir(run)["step"]
+    assert any(e["event"] == "checkpoint" and e["step"] == step and e["recorded_steps"]
+               for e in read_records(run / "events.jsonl"))  # fmt: skip
     proc = launch(run, repo_root, "TallyState", skip="ledger.partial")
     out, _ = proc.communicate(timeout=480)
     assert proc.returncode == 0, out[-3000:]

@@ -74,7 +74,6 @@ class EpisodeRunner:
             self.eos_id = turn_end_id(tokenizer, eos_id)
         self._envs: dict[tuple[int, int], Any] = {}
         self._prompts: dict[int, list[int]] = {}
-        self.steps_called = 0  # environment steps this process called
 
     # --- the collector's calls
 
@@ -155,7 +154,6 @@ class EpisodeRunner:
         env = self._envs[(ticket.ordinal, i)]
         try:
             messages, reward, done = env.step(text, sid)
-            self.steps_called += 1
             self._log_step(sid)
             fault_point("episode.env_step")
         except Exception as err:
