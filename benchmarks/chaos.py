@@ -33,6 +33,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 from asyncrl.checkpoint.snapshot import FILES
 from asyncrl.checkpoint.store import CheckpointStore
@@ -86,12 +87,17 @@ def journal(run_dir: Path) -> Path:
     return run_dir.parent / f"{run_dir.name}.journal"
 
 
+POPEN: Any = subprocess.Popen
+"""What starts a launch: `subprocess.Popen` here; the tests' pre-imported launcher
+(`tests/launcher.py`, real processes forked from an interpreter that has imported torch)."""
+
+
 def launch(
     run_dir: Path, extra: list[str], fault: str = "", shape: Shape | None = None
 ) -> subprocess.Popen:
     shape = shape or Shape()
     command = [sys.executable, "-m", "asyncrl.cli", "train", str(shape.config)]
-    return subprocess.Popen(
+    return POPEN(
         [*command, "--run-dir", str(run_dir), "--restart", *RUN, *shape.overrides, *extra],
         env={
             **os.environ,

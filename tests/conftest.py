@@ -1,6 +1,7 @@
 import sys
 from pathlib import Path
 
+import launcher
 import pytest
 import torch
 
@@ -52,6 +53,7 @@ def pytest_runtest_makereport(item, call):
     turns a pass into a failure that names the test and says what to do."""
     if call.when == "setup":
         _started.clear()
+        launcher.LAUNCHED.clear()
     outcome = yield
     report = outcome.get_result()
     if not item.config.getoption("--fast-tier") or "smoke" in item.keywords or not report.passed:
@@ -61,14 +63,18 @@ def pytest_runtest_makereport(item, call):
         why = (
             f"its {call.when} took {report.duration:.1f} s (the budget is {FAST_TIER_BUDGET_S:g} s)"
         )
-    elif call.when == "call" and _started:
-        why = f"it started a subprocess ({_started[0]})"
+    elif call.when == "call" and (_started or launcher.LAUNCHED):
+        why = f"it started a subprocess ({(_started or launcher.LAUNCHED)[0]})"
     if why:
         report.outcome = "failed"
         report.longrepr = (
             f"{item.nodeid}: {why}, and the fast tier (make test-fast) takes neither: mark it "
             "@pytest.mark.slow, or make it faster"
         )
+
+
+def pytest_sessionfinish(session, exitstatus):
+    launcher.shutdown()
 
 
 @pytest.fixture

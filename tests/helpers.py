@@ -9,6 +9,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import launcher
+
 from asyncrl.config import Config
 from asyncrl.config.keys import build_config
 
@@ -79,7 +81,7 @@ def groups_of(parts: Any, count: int = 4) -> list:
 def run_cli(*args: str, timeout: float = 300) -> subprocess.CompletedProcess[str]:
     """`asyncrl ARGS` as a real process (this interpreter; PYTHONPATH and the rest inherited)."""
     env = {**os.environ, "PYTHONWARNINGS": "ignore"}
-    return subprocess.run(
+    return launcher.run(
         [sys.executable, "-m", "asyncrl.cli", *args],
         capture_output=True,
         text=True,
@@ -111,3 +113,39 @@ def hung_reward_pids(folder: Path) -> list[int]:
     if not folder.exists():
         return []
     return [int(p.name.split("-")[1]) for p in folder.iterdir()]
+
+
+def built_once(tmp_path_factory: Any, name: str, build: Any) -> Path:
+    """The directory `name`, built by `build(path)` once for the whole test session: every
+    pytest-xdist worker of the session finds it in their common base folder (under a file lock,
+    so one builds and the others wait); without xdist, in this session's own. What a test gets
+    here it may read, never change."""
+    import fcntl
+    import shutil
+
+    base = Path(tmp_path_factory.getbasetemp())
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        base = base.parent  # the session's folder, above each worker's own
+    shared = base / "built-once"
+    shared.mkdir(exist_ok=True)
+    target = shared / name
+    with open(shared / f"{name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not target.is_dir():
+            partial = shared / f".{name}.partial"
+            shutil.rmtree(partial, ignore_errors=True)
+            build(partial)
+            partial.rename(target)
+    return target
+
+
+def prepared_smollm2(tmp_path_factory: Any) -> Path:
+    """SmolLM2-135M-Instruct prepared from its package (`asyncrl prepare-model`), once a session
+    (the GGUF file is read in ~35 s)."""
+    from asyncrl.models.prepare import prepare_model
+
+    return built_once(
+        tmp_path_factory,
+        "smollm2-135m-instruct",
+        lambda out: prepare_model("smollm2-135m-instruct", out, log=lambda line: None),
+    )

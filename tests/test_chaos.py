@@ -9,7 +9,15 @@ import pytest
 pytestmark = pytest.mark.slow
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 
+import chaos  # noqa: E402
+import launcher  # noqa: E402
 from chaos import ChaosViolation, run_chaos  # noqa: E402
+
+
+@pytest.fixture(autouse=True)
+def forked_launches(monkeypatch):
+    """Each launch a real process forked from the pre-imported launcher (tests/launcher.py)."""
+    monkeypatch.setattr(chaos, "POPEN", launcher.popen)
 
 
 def test_twenty_random_kills_keep_i1_i3_and_i4(tmp_path):

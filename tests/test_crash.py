@@ -14,6 +14,7 @@ import sys
 import time
 from pathlib import Path
 
+import launcher
 import pytest
 from helpers import read_complete_records, read_records
 
@@ -38,7 +39,7 @@ CRASH_RUN = [
 def launch(run_dir: Path, repo_root: Path, *extra: str, fault: str = "") -> subprocess.Popen:
     env = {**os.environ, "PYTHONWARNINGS": "ignore", "ASYNCRL_FAULT": fault}
     command = [sys.executable, "-m", "asyncrl.cli", "train", str(repo_root / "configs/demo.yaml")]
-    return subprocess.Popen(
+    return launcher.popen(
         [*command, "--run-dir", str(run_dir), *CRASH_RUN, *extra],
         env=env,
         stdout=subprocess.PIPE,
@@ -85,7 +86,7 @@ def generations_per_ordinal(run_dir: Path) -> dict[int, list[int]]:
 
 
 def audit(run_dir: Path) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
+    return launcher.run(
         [sys.executable, "-m", "asyncrl.cli", "audit", str(run_dir)],
         capture_output=True,
         text=True,
@@ -138,7 +139,7 @@ def test_random_sigkills_and_a_kill_mid_checkpoint_lose_nothing(tmp_path, repo_r
 
 
 def inspect_json(run_dir: Path) -> dict:
-    shown = subprocess.run(
+    shown = launcher.run(
         [sys.executable, "-m", "asyncrl.cli", "inspect", str(run_dir), "--json"],
         capture_output=True,
         text=True,
@@ -221,7 +222,7 @@ def test_inspect_predicts_what_each_resume_policy_then_does(tmp_path, repo_root)
     assert info["checkpoint"].endswith(f"step_{step:06d}") and info["ledger"]["in_flight"] > 0
     assert info["ledger"]["trained"] == step * N
     assert max(r["step"] for r in read_records(base / "metrics.jsonl")) >= step, "none past it"
-    table = subprocess.run(
+    table = launcher.run(
         [sys.executable, "-m", "asyncrl.cli", "inspect", str(base)], capture_output=True, text=True
     )
     assert "what resuming this checkpoint costs" in table.stdout and "lossless" in table.stdout

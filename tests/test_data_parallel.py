@@ -16,6 +16,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import launcher
 import pytest
 import torch
 from rank_gradients import step_gradients
@@ -49,7 +50,7 @@ def ranks_gradients(tmp_path, groups, cases, world_size, average=False):
         "PYTHONWARNINGS": "ignore",
     }
     procs = [
-        subprocess.Popen(
+        launcher.popen(
             [sys.executable, str(HELPER), str(groups_file), str(out), spec],
             env={**env, "RANK": str(rank), "LOCAL_RANK": str(rank)},
             stderr=subprocess.PIPE,

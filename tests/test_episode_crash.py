@@ -19,6 +19,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import launcher
 import pytest
 from helpers import read_records
 from test_determinism import fingerprint
@@ -61,7 +62,7 @@ def launch(
     command = [sys.executable, "-m", "asyncrl.cli", "train"]
     command += [str(repo_root / "configs/multi_turn_game.yaml"), "--run-dir", str(run)]
     command += [*BASE, f"env.name=tally_game:{env_name}", *extra]
-    return subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+    return launcher.popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True)  # fmt: skip
 
 

@@ -11,9 +11,9 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import subprocess
 import sys
 
+import launcher
 import pytest
 import torch
 from helpers import DIGITS, run_cli, small_config
@@ -198,7 +198,7 @@ def test_vllm_loads_the_export_and_decodes_greedily_as_transformers_does(qwen2):
     prompts = ["31524=", "Sort 9 1 5"]
     env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_LOGGING_LEVEL": "ERROR"}
     env.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
-    done = subprocess.run(
+    done = launcher.run(
         [sys.executable, "-c", VLLM_GREEDY, str(out), json.dumps(prompts)],
         capture_output=True, text=True, timeout=300, env=env,
     )  # fmt: skip

@@ -6,10 +6,10 @@ shape."""
 from __future__ import annotations
 
 import re
-import subprocess
 import sys
 from pathlib import Path
 
+import launcher
 import pytest
 import torch
 
@@ -34,7 +34,7 @@ def test_the_cpu_fallback_trains_evaluates_before_and_after_and_prints_its_line(
     work = tmp_path / "work"
     command = [sys.executable, str(ROOT / "scripts/gpu_check.py"), "--steps", "2"]
     command += ["--eval-prompts", "4", "--model", str(model), "--work", str(work), "--skip-tests"]
-    done = subprocess.run(command, capture_output=True, text=True, timeout=600)
+    done = launcher.run(command, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     last = done.stdout.strip().splitlines()[-1]
     match = LINE.match(last)

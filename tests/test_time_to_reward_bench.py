@@ -2,10 +2,10 @@
 with seeds that never got there, the final reward, and one real (short) run end to end."""
 
 import math
-import subprocess
 import sys
 from pathlib import Path
 
+import launcher
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -75,7 +75,7 @@ def test_the_table_has_a_row_per_variant_and_dashes_where_a_seed_missed():
 
 @pytest.mark.slow
 def test_a_short_real_run_prints_the_last_line(tmp_path):
-    done = subprocess.run(
+    done = launcher.run(
         [
             sys.executable,
             str(ROOT / "benchmarks" / "time_to_reward.py"),

@@ -9,10 +9,10 @@ from __future__ import annotations
 import os
 import random
 import signal
-import subprocess
 import sys
 from pathlib import Path
 
+import launcher
 import pytest
 from helpers import read_records
 
@@ -40,7 +40,7 @@ def command(run: Path, *extra: str) -> list[str]:
 
 
 def run_to_end(run: Path, *extra: str) -> None:
-    done = subprocess.run(command(run, *extra), capture_output=True, text=True, timeout=300)
+    done = launcher.run(command(run, *extra), capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
 
 
@@ -92,7 +92,7 @@ def test_async_vllm_run_killed_mid_generation_resumes_losslessly_and_learns(tmp_
     fault = f"checkpoint.parent_fsynced>engine.decode_step:{passes}"
     tmp = tmp_path / "tmp"  # the system's temporary directory, for this launch
     tmp.mkdir()
-    killed = subprocess.run(
+    killed = launcher.run(
         command(run, *extra),
         env={**os.environ, "ASYNCRL_FAULT": fault, "TMPDIR": str(tmp)},
         capture_output=True,
@@ -148,7 +148,7 @@ def test_lora_requests_run_trains_on_vllms_logprobs_and_resumes_after_a_kill(tmp
     extra = [*LORA_REQUESTS, "run.max_num_steps=12", "rollout.chunk_tokens=2",
              "checkpoint.save_period=4"]  # fmt: skip
     fault = "checkpoint.parent_fsynced>engine.decode_step:3"
-    killed = subprocess.run(
+    killed = launcher.run(
         command(run, *extra),
         env={**os.environ, "ASYNCRL_FAULT": fault},
         capture_output=True,

@@ -12,6 +12,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import launcher
 import pytest
 import torch
 from wire_peer import command, digest, share_digest, shares
@@ -48,7 +49,7 @@ def run_peers(tmp_path: Path, transport: str) -> list[subprocess.CompletedProces
         "PYTHONWARNINGS": "ignore",
     }
     procs = [
-        subprocess.Popen(
+        launcher.popen(
             [sys.executable, str(PEER), str(tmp_path), transport],
             env={**env, "RANK": str(rank)},
             stdout=subprocess.PIPE,

@@ -73,12 +73,18 @@ class Heartbeat:
         watched: tuple[int, ...],
         timeout_s: float,
         on_silent: Callable[[list[tuple[int, float]]], None],
+        clock: Callable[[], float] = time.monotonic,
+        interval_s: float | None = None,
     ) -> None:
         self.store = store
         self.rank = rank
-        self.interval_s = min(1.0, timeout_s / 10)
-        self.liveness = Liveness(watched, timeout_s, time.monotonic())
+        self.interval_s = min(1.0, timeout_s / 10) if interval_s is None else interval_s
+        self.clock = clock
+        """The judge's clock (a test drives its own; the pacing between passes is real time)."""
+        self.liveness = Liveness(watched, timeout_s, clock())
         self.on_silent = on_silent
+        self.passes = 0
+        """Watch passes made so far (each judged the ranks once)."""
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._threads = [
@@ -95,7 +101,7 @@ class Heartbeat:
                 for rank in self.liveness.ranks:
                     counter = int(self.store.add(KEY.format(rank=rank), 0))
                     with self._lock:
-                        self.liveness.observe(rank, counter, time.monotonic())
+                        self.liveness.observe(rank, counter, self.clock())
             except Exception:  # the store is gone or failing: that is silence
                 pass
             self._stop.wait(self.interval_s)
@@ -103,7 +109,8 @@ class Heartbeat:
     def _watch(self) -> None:
         while not self._stop.wait(self.interval_s):
             with self._lock:
-                silent = self.liveness.silent(time.monotonic())
+                silent = self.liveness.silent(self.clock())
+                self.passes += 1
             if silent:
                 self._stop.set()
                 self.on_silent(silent)
@@ -112,6 +119,12 @@ class Heartbeat:
     def stop(self) -> None:
         """Ends both threads (the beat thread after its current store call, if it returns)."""
         self._stop.set()
+
+    def join(self, timeout_s: float) -> bool:
+        """Whether both threads have ended within `timeout_s` (after `stop`)."""
+        for thread in self._threads:
+            thread.join(timeout_s)
+        return not any(thread.is_alive() for thread in self._threads)
 
 
 def group_store() -> Any:
