@@ -239,6 +239,18 @@ sets one of them otherwise than the test process's (`PYTHONHASHSEED`, `OMP_NUM_T
 fresh interpreter, where it takes effect."""
 
 
+LOG = os.environ.get("ASYNCRL_TEST_LAUNCH_LOG", "")
+"""With `ASYNCRL_TEST_LAUNCH_LOG=FILE`, each launch appends a JSON line to FILE: the test, the
+command, and whether it was forked (docs/testing.md counts the suite's launches with it)."""
+
+
+def _log(args: list[str], forked: bool) -> None:
+    if LOG:
+        test = os.environ.get("PYTEST_CURRENT_TEST", "").split(" ")[0]
+        with open(LOG, "a") as out:
+            out.write(json.dumps({"test": test, "argv": args[1:6], "forked": forked}) + "\n")
+
+
 def _startup_vars(env: Any) -> dict[str, str]:
     return {k: v for k, v in env.items() if k.startswith(STARTUP_VARS)}
 
@@ -275,7 +287,9 @@ def popen(
     args = [str(a) for a in args]
     form = _forkable(args)
     fresh = not ENABLED or form is None or kwargs or stdin not in (None, subprocess.DEVNULL)
-    if fresh or (env is not None and _startup_vars(env) != _startup_vars(os.environ)):
+    fresh = fresh or (env is not None and _startup_vars(env) != _startup_vars(os.environ))
+    _log(args, forked=not fresh)
+    if fresh:
         return subprocess.Popen(
             args, env=env, cwd=cwd, stdout=stdout, stderr=stderr, stdin=stdin, text=text, **kwargs
         )

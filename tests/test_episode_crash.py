@@ -29,7 +29,9 @@ from asyncrl.cli.inspect import inspect_run_dir
 
 pytestmark = pytest.mark.slow
 
-STEPS = 10
+STEPS = 24
+"""Steps of each run: room for three kills, each after a cut that holds episodes in flight
+(whether a cut does depends on where the collector was; a step costs ~0.1 s, a launch ~1 s)."""
 BASE = [
     f"run.max_num_steps={STEPS}",
     "rollout.num_prompts_per_step=4",
