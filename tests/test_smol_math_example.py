@@ -53,11 +53,11 @@ def test_every_problem_is_distinct_and_its_answer_is_what_the_words_say():
 def test_the_smol_config_trains_the_real_model_killed_and_resumed_exactly(
     tmp_path, tmp_path_factory, repo_root
 ):
-    files = prepare(tmp_path / "data", train_rows=64, test_rows=8, with_model=False)
+    files = prepare(tmp_path / "data", train_rows=64, test_rows=4, with_model=False)
     files["model"] = prepared_smollm2(tmp_path_factory)  # what prepare's model is, once a session
     train = datasets.load_dataset("parquet", data_files=str(files["train"]), split="train")
     test = datasets.load_dataset("parquet", data_files=str(files["test"]), split="train")
-    assert (len(train), len(test)) == (64, 8)
+    assert (len(train), len(test)) == (64, 4)
     assert not {r["messages"][0]["content"] for r in train} & {
         r["messages"][0]["content"] for r in test
     }
@@ -65,7 +65,7 @@ def test_the_smol_config_trains_the_real_model_killed_and_resumed_exactly(
     command = [
         sys.executable, "-m", "asyncrl.cli", "train", str(repo_root / "configs/smol_math.yaml"),
         "--run-dir", str(run), f"model.path={files['model']}", f"data.path={files['train']}",
-        f"eval.path={files['test']}", "run.max_num_steps=4", "rollout.num_prompts_per_step=2",
+        f"eval.path={files['test']}", "run.max_num_steps=4", "rollout.num_prompts_per_step=1",
         "rollout.num_generations_per_prompt=4", "rollout.max_new_tokens=12",
         "eval.every_steps=4", "checkpoint.save_period=2", "logging.progress=false",
         "logging.plot=false",
@@ -79,13 +79,13 @@ def test_the_smol_config_trains_the_real_model_killed_and_resumed_exactly(
         timeout=900,
     )
     assert killed.returncode == -signal.SIGKILL, killed.stdout + killed.stderr
-    assert "eval of the initial weights" in killed.stderr  # 8 held-out problems, before step 0
+    assert "eval of the initial weights" in killed.stderr  # 4 held-out problems, before step 0
     done = launcher.run(command, env=env, capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stdout + done.stderr
     assert "resumed at step 2" in done.stdout + done.stderr
     final = {r["step"]: r for r in read_records(run / "metrics.jsonl")}
     assert sorted(final) == [0, 1, 2, 3]
-    assert final[3]["eval/num_examples"] == 8
+    assert final[3]["eval/num_examples"] == 4
     audit = launcher.run(
         [sys.executable, "-m", "asyncrl.cli", "audit", str(run)], capture_output=True, text=True
     )
