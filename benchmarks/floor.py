@@ -1,0 +1,410 @@
+"""How far a real-model step is from this machine's floor: `configs/smol_math.yaml` (SmolLM2-135M),
+its training and its generation each against the time their matrix products alone take here.
+
+    .venv/bin/python benchmarks/floor.py                 # `make bench-floor`: trains 6 steps
+    .venv/bin/python benchmarks/floor.py --steps 8 --set rollout.max_new_tokens=64
+    .venv/bin/python benchmarks/floor.py --from runs/smol-demo-20261203-101500   # a run's steps
+
+It trains the config by the real CLI in a child process (no evaluation, no checkpoint before
+the end), then, with the child gone and the machine otherwise idle, measures the floor here, in
+this process, on the model's own weights:
+
+- **training**: each `nn.Linear` of the model multiplied forward ([T, in] x [in, out]) and
+  backward (the input's gradient and the weight's), in the dtype `train.dtype` resolves to,
+  where T is the step's real token count: every prompt and completion token through the body,
+  the completion tokens alone through the output layer; plus causal attention (its FLOPs at the
+  rate the body's products reached);
+- **generation**: per generate call of the run's timeline, each prompt prefilled once (the
+  output layer at its last position only), then one decode pass per token with only the
+  samples still generating in the batch (an ideal, compacted batch), in `rollout.dtype`; plus
+  the attention over each sample's context.
+
+Each product is timed on `run.torch_threads` threads (what each side of the run gets), the best
+of `--repeats`; one over more than 2,048 rows is timed at 2,048 and scaled by its rows (its time
+grows linearly there; `--check-scaling` measures that). Left out of the floor: norms,
+activations, rotary embeddings, softmax, sampling,
+the optimizer's update and the weight publish. The measured side is the run's own record:
+`train_s` of each step and the `generate` spans of `timeline.jsonl`, over the steps from
+`--warmup` on (the first steps allocate and warm up). It prints each part's measured seconds,
+floor and ratio, the FLOPs and rates, and, last:
+
+    floor: train_x=A gen_x=B step_s=S floor_s=F dtype=D cpu=FLAGS
+
+A, B: measured / floor, per step, for training and for generation; S: the steady step's wall
+seconds; F: max(training floor, generation floor), the step's floor with the two sides
+overlapped on two cores; D: the train and rollout dtypes; FLAGS: the CPU's SIMD flags that
+decide the dtype (avx2, avx512f, avx512_bf16, amx_bf16).
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from asyncrl.config.keys import build_config
+from asyncrl.models.device import DTYPES, resolve_train_dtype
+from asyncrl.train.records import read_jsonl
+
+ROOT = Path(__file__).resolve().parents[1]
+CONFIG = ROOT / "configs/smol_math.yaml"
+SCALE_ROWS = 2048
+"""Products over more rows are timed at this many and scaled (see `Floor._scaled`)."""
+FLAGS = ("avx2", "avx512f", "avx512_bf16", "amx_bf16")
+
+
+def cpu_flags() -> tuple[str, str]:
+    """(the CPU's model name, which of FLAGS it has, comma-joined)."""
+    name, flags = platform.processor() or "unknown", set()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            key, _, value = line.partition(":")
+            if key.strip() == "model name":
+                name = value.strip()
+            elif key.strip() == "flags":
+                flags = set(value.split())
+    except OSError:
+        pass
+    return name, ",".join(f for f in FLAGS if f in flags) or "none"
+
+
+def best_of(repeats: int, work: Callable[[], Any]) -> float:
+    work()  # warm: the first call allocates
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        work()
+        times.append(time.perf_counter() - start)
+    return min(times)
+
+
+@dataclass
+class Shapes:
+    """The model's matrix products: (in, out) of every linear layer of the body, the output
+    layer's, and what attention needs."""
+
+    body: list[torch.Tensor]
+    head: torch.Tensor
+    layers: int
+    heads: int
+    head_dim: int
+
+    @classmethod
+    def of(cls, model: Any) -> Shapes:  # a transformers PreTrainedModel
+        head = model.get_output_embeddings()
+        body = [
+            m.weight for m in model.modules() if isinstance(m, torch.nn.Linear) and m is not head
+        ]
+        config = model.config
+        heads = config.num_attention_heads
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+        return cls(body, head.weight, config.num_hidden_layers, heads, head_dim)
+
+    def linear_flops(self, weights: list[torch.Tensor], rows: int) -> float:
+        return 2.0 * rows * sum(w.numel() for w in weights)
+
+
+class Floor:
+    """Times the model's products on this machine (`dtype`, the current thread count)."""
+
+    def __init__(self, shapes: Shapes, dtype: torch.dtype, repeats: int) -> None:
+        self.shapes = shapes
+        self.dtype = dtype
+        self.repeats = repeats
+        self.body = [w.detach().to(dtype).contiguous() for w in shapes.body]
+        self.head = shapes.head.detach().to(dtype).contiguous()
+        self._decode: dict[int, float] = {}
+        self._per_row: dict[tuple[str, int], float] = {}
+
+    def _scaled(self, kind: str, weights: list[torch.Tensor], rows: int, time_rows: Any) -> float:
+        """`time_rows(weights, rows)`, timed as it is up to SCALE_ROWS rows; past that, timed at
+        SCALE_ROWS and scaled by the rows (a product's time grows linearly there)."""
+        if rows <= SCALE_ROWS:
+            return float(time_rows(weights, rows))
+        key = (kind, id(weights[0]))
+        if key not in self._per_row:
+            self._per_row[key] = time_rows(weights, SCALE_ROWS) / SCALE_ROWS
+        return self._per_row[key] * rows
+
+    def forward_s(self, weights: list[torch.Tensor], rows: int) -> float:
+        """The forward products of `weights` over `rows` rows."""
+        return self._scaled("forward", weights, rows, self._forward_s)
+
+    def training_s(self, weights: list[torch.Tensor], rows: int) -> float:
+        """Forward, the input's gradient and the weight's gradient of each product."""
+        return self._scaled("training", weights, rows, self._training_s)
+
+    @torch.inference_mode()
+    def _forward_s(self, weights: list[torch.Tensor], rows: int) -> float:
+        if rows == 0:
+            return 0.0
+        inputs = {w.shape[1]: torch.randn(rows, w.shape[1], dtype=self.dtype) for w in weights}
+        return best_of(
+            self.repeats,
+            lambda: [torch.nn.functional.linear(inputs[w.shape[1]], w) for w in weights],
+        )
+
+    @torch.inference_mode()
+    def _training_s(self, weights: list[torch.Tensor], rows: int) -> float:
+        if rows == 0:
+            return 0.0
+        x = {w.shape[1]: torch.randn(rows, w.shape[1], dtype=self.dtype) for w in weights}
+        dy = {w.shape[0]: torch.randn(rows, w.shape[0], dtype=self.dtype) for w in weights}
+
+        def work() -> None:
+            for w in weights:
+                torch.nn.functional.linear(x[w.shape[1]], w)
+                dy[w.shape[0]] @ w
+                dy[w.shape[0]].t() @ x[w.shape[1]]
+
+        return best_of(self.repeats, work)
+
+    def decode_step_s(self, batch: int) -> float:
+        """One decode pass's products (body and output layer) for `batch` samples."""
+        if batch not in self._decode:
+            self._decode[batch] = self.forward_s([*self.body, self.head], batch)
+        return self._decode[batch]
+
+    def attention_flops(self, pairs: float) -> float:
+        """Q.K and attention.V over `pairs` (query, key) pairs, forward, every layer."""
+        return 4.0 * pairs * self.shapes.heads * self.shapes.head_dim * self.shapes.layers
+
+
+@dataclass
+class Part:
+    name: str
+    measured_s: float
+    floor_s: float
+    flops: float
+    tokens: int
+    """Completion tokens, over the steps (then per step)."""
+
+    @property
+    def ratio(self) -> float:
+        return self.measured_s / self.floor_s if self.floor_s else float("nan")
+
+
+def prompt_lengths(config: Any) -> list[int]:
+    """Each training example's prompt length in tokens, as the run prompts the model."""
+    from transformers import AutoTokenizer
+
+    from asyncrl.tasks.prompts import prompt_ids
+    from asyncrl.tasks.source import task_examples
+
+    tokenizer = AutoTokenizer.from_pretrained(config.model.path)
+    return [len(prompt_ids(e, tokenizer)) for e in task_examples(config.data)]
+
+
+def train_part(run: Path, steps: list[dict[str, Any]], lengths: list[int], floor: Floor) -> Part:
+    """Training over `steps` (their metrics records) against the products of their tokens."""
+    measured = sum(r["train_s"] for r in steps)
+    floor_s, flops, tokens = 0.0, 0.0, 0
+    spans = completions_by_ordinal(run)
+    for record in steps:
+        rows = []
+        for ordinal, index in zip(
+            record["prompt_ordinals"], record["dataset_indices"], strict=True
+        ):
+            rows += [(lengths[index], n) for n in spans[ordinal]]
+        body_rows = sum(p + c for p, c in rows)
+        head_rows = sum(c for _, c in rows)
+        tokens += head_rows
+        step_flops = 3 * (
+            floor.shapes.linear_flops(floor.shapes.body, body_rows)
+            + floor.shapes.linear_flops([floor.shapes.head], head_rows)
+        )
+        body_s = floor.training_s(floor.body, body_rows)
+        rate = 3 * floor.shapes.linear_flops(floor.shapes.body, body_rows) / body_s
+        attention = 3 * floor.attention_flops(sum((p + c) * (p + c + 1) / 2 for p, c in rows))
+        floor_s += body_s + floor.training_s([floor.head], head_rows) + attention / rate
+        flops += step_flops + attention
+    return Part("train", measured, floor_s, flops, tokens)
+
+
+def completions_by_ordinal(run: Path) -> dict[int, list[int]]:
+    """Each group's completion lengths (the sum over its chunks), by prompt ordinal."""
+    found: dict[int, list[int]] = {}
+    for span in read_jsonl(run / "timeline.jsonl"):
+        if span["kind"] != "generate":
+            continue
+        for ordinal, counts in zip(span["ordinals"], span["token_counts"], strict=True):
+            before = found.get(ordinal, [0] * len(counts))
+            found[ordinal] = [a + b for a, b in zip(before, counts, strict=True)]
+    return found
+
+
+def generate_part(spans: list[dict[str, Any]], prompts: dict[int, int], floor: Floor) -> Part:
+    """The generate calls `spans` against an ideal decode of the same samples."""
+    measured = sum(s["seconds"] for s in spans)
+    floor_s, flops, tokens = 0.0, 0.0, 0
+    for span in spans:
+        lengths = [prompts[o] for o in span["ordinals"]]
+        samples = [
+            (p, n) for p, counts in zip(lengths, span["token_counts"], strict=True) for n in counts
+        ]
+        tokens += sum(n for _, n in samples)
+        prefill = sum(lengths)
+        prefill_s = floor.forward_s(floor.body, prefill) + floor.forward_s(
+            [floor.head], len(lengths)
+        )
+        prefill_flops = floor.shapes.linear_flops(floor.shapes.body, prefill)
+        rate = prefill_flops / max(floor.forward_s(floor.body, prefill), 1e-9)
+        attention = floor.attention_flops(sum(p * (p + 1) / 2 for p in lengths))
+        longest = max((n for _, n in samples), default=0)
+        decode_s, decode_flops, pairs = 0.0, 0.0, 0.0
+        for k in range(1, longest):  # the forward pass over token k-1 gives token k's logits
+            alive = [(p, n) for p, n in samples if n > k]
+            decode_s += floor.decode_step_s(len(alive))
+            decode_flops += floor.shapes.linear_flops(
+                [*floor.shapes.body, floor.shapes.head], len(alive)
+            )
+            pairs += sum(p + k for p, _ in alive)
+        attention += floor.attention_flops(pairs)
+        floor_s += prefill_s + decode_s + attention / rate
+        flops += prefill_flops + decode_flops + attention
+    return Part("generate", measured, floor_s, flops, tokens)
+
+
+def train_run(run: Path, steps: int, extra: list[str]) -> None:
+    command = [
+        sys.executable, "-m", "asyncrl.cli", "train", str(CONFIG), "--run-dir", str(run),
+        f"run.max_num_steps={steps}", "eval.every_steps=0", f"checkpoint.save_period={steps}",
+        "logging.progress=false", "logging.plot=false", *extra,
+    ]  # fmt: skip
+    print(
+        f"floor: training {steps} steps of {CONFIG.name} into {run} ...",
+        file=sys.stderr,
+        flush=True,
+    )
+    done = subprocess.run(command, cwd=ROOT)
+    if done.returncode != 0:
+        raise SystemExit(f"floor: asyncrl train exited {done.returncode}")
+
+
+def check_scaling(floor: Floor) -> None:
+    """Prints the body's training products per row at SCALE_ROWS and at 4x as many, timed."""
+    small = floor._training_s(floor.body, SCALE_ROWS) / SCALE_ROWS
+    large = floor._training_s(floor.body, 4 * SCALE_ROWS) / (4 * SCALE_ROWS)
+    print(
+        f"  scaling   training products per row: {1e6 * small:.1f} us at {SCALE_ROWS} rows, "
+        f"{1e6 * large:.1f} us at {4 * SCALE_ROWS} (x{large / small:.3f})"
+    )
+
+
+def measure(
+    run: Path, warmup: int, repeats: int, scaling: bool = False
+) -> tuple[list[Part], float, str]:
+    events = read_jsonl(run / "events.jsonl")
+    start = next(e for e in events if e["event"] == "start")
+    config = build_config(start["config"])
+    records = {r["step"]: r for r in read_jsonl(run / "metrics.jsonl")}  # the last of each step
+    window = [records[s] for s in sorted(records) if s >= warmup]
+    if len(window) < 2:
+        raise SystemExit(
+            f"{run}: {len(records)} steps, {len(window)} from --warmup {warmup}: too few to measure"
+        )
+    steps_in = {r["step"] for r in window}
+    ordinal_to_index = {
+        o: i
+        for r in records.values()
+        for o, i in zip(r["prompt_ordinals"], r["dataset_indices"], strict=True)
+    }
+    spans = [
+        s
+        for s in read_jsonl(run / "timeline.jsonl")
+        if s["kind"] == "generate" and set(s["targets"]) <= steps_in
+    ]
+    lengths = prompt_lengths(config)
+    prompts = {o: lengths[i] for o, i in ordinal_to_index.items()}
+
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(config.model.path, dtype=torch.float32)
+    shapes = Shapes.of(model)
+    device = torch.device(config.train.device)
+    train_dtype = resolve_train_dtype(config.train.dtype, device)
+    gen_dtype = config.rollout.dtype
+    threads = config.run.torch_threads or torch.get_num_threads()
+    torch.set_num_threads(threads)
+    print(
+        f"floor: {len(window)} steps ({min(steps_in)}-{max(steps_in)}), {len(spans)} generate "
+        f"calls; products timed on {threads} thread(s), best of {repeats}",
+        file=sys.stderr,
+        flush=True,
+    )
+    if scaling:
+        check_scaling(Floor(shapes, DTYPES[train_dtype], repeats))
+    parts = [
+        train_part(run, window, lengths, Floor(shapes, DTYPES[train_dtype], repeats)),
+        generate_part(spans, prompts, Floor(shapes, DTYPES[gen_dtype], repeats)),
+    ]
+    count = len(window)
+    for part in parts:  # per step
+        part.measured_s /= count
+        part.floor_s /= count
+        part.flops /= count
+        part.tokens //= count
+    walls = [records[s]["wall_s"] for s in sorted(steps_in)]
+    before = records.get(min(steps_in) - 1, {}).get("wall_s")
+    step_s = (
+        (walls[-1] - before) / count
+        if before is not None
+        else statistics.fmean(b - a for a, b in itertools.pairwise(walls))
+    )
+    return parts, step_s, f"train:{train_dtype}/gen:{gen_dtype}"
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=6, help="steps to train (default 6)")
+    parser.add_argument("--warmup", type=int, default=2, help="steps left out (default 2)")
+    parser.add_argument("--repeats", type=int, default=2, help="timings of each product (the best)")
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
+    parser.add_argument("--check-scaling", action="store_true", help="time 4x the rows too")
+    parser.add_argument("--from", dest="run", type=Path, default=None, help="a finished run dir")
+    args = parser.parse_args(argv)
+    name, flags = cpu_flags()
+    print(f"floor: cpu {name}, {os.cpu_count()} cores, flags {flags}; torch {torch.__version__}")
+    if args.run is not None:
+        parts, step_s, dtype = measure(args.run, args.warmup, args.repeats, args.check_scaling)
+    else:
+        subprocess.run([sys.executable, "-m", "asyncrl.examples.smol_math", "data/smol_math"],
+                       cwd=ROOT, check=True, capture_output=True)  # fmt: skip
+        with tempfile.TemporaryDirectory() as tmp:
+            run = Path(tmp) / "run"
+            train_run(run, args.steps, args.set)
+            parts, step_s, dtype = measure(run, args.warmup, args.repeats, args.check_scaling)
+    for part in parts:
+        print(
+            f"  {part.name:9s} measured {part.measured_s:7.2f} s  floor {part.floor_s:7.2f} s  "
+            f"x{part.ratio:5.2f}   {part.flops / 1e12:6.2f} TFLOP at "
+            f"{part.flops / part.floor_s / 1e9:6.1f} GFLOP/s floor "
+            f"({part.tokens} completion tokens a step)"
+        )
+    train, gen = parts
+    floor_s = max(train.floor_s, gen.floor_s)
+    busiest = max(train.measured_s, gen.measured_s)
+    print(
+        f"  step      {step_s:7.2f} s wall; max(train, generate) measured {busiest:.2f} s "
+        f"(x{step_s / busiest:.2f})"
+    )
+    print(
+        f"floor: train_x={train.ratio:.2f} gen_x={gen.ratio:.2f} step_s={step_s:.1f} "
+        f"floor_s={floor_s:.1f} dtype={dtype} cpu={flags}"
+    )
+
+
+if __name__ == "__main__":
+    main()

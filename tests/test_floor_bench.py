@@ -1,0 +1,68 @@
+"""benchmarks/floor.py's counting: the model's products from its config, an ideal decode that
+runs only the samples still generating, and a group's completion summed over its chunks."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+from floor import Floor, Shapes, completions_by_ordinal, generate_part
+
+H, INTER, LAYERS, HEADS, KV, VOCAB = 16, 32, 2, 4, 2, 50
+
+
+def tiny() -> LlamaForCausalLM:
+    config = LlamaConfig(
+        hidden_size=H, intermediate_size=INTER, num_hidden_layers=LAYERS, num_attention_heads=HEADS,
+        num_key_value_heads=KV, vocab_size=VOCAB, tie_word_embeddings=True,
+    )  # fmt: skip
+    return LlamaForCausalLM(config)
+
+
+def test_the_products_are_the_models_linear_layers_counted_from_its_config():
+    shapes = Shapes.of(tiny())
+    head_dim = H // HEADS
+    per_layer = 2 * H * H + 2 * H * KV * head_dim + 3 * H * INTER  # q, o; k, v; gate, up, down
+    assert len(shapes.body) == 7 * LAYERS
+    assert shapes.linear_flops(shapes.body, 10) == 2 * 10 * LAYERS * per_layer
+    assert tuple(shapes.head.shape) == (VOCAB, H)  # the tied output layer, counted apart
+    assert (shapes.layers, shapes.heads, shapes.head_dim) == (LAYERS, HEADS, head_dim)
+
+
+class CountingFloor(Floor):
+    """A decode pass "takes" as many seconds as it has samples; every prefill takes none."""
+
+    def decode_step_s(self, batch: int) -> float:
+        return float(batch)
+
+    def forward_s(self, weights: list[torch.Tensor], rows: int) -> float:
+        return 0.0
+
+
+def test_the_ideal_decode_runs_only_the_samples_still_generating():
+    floor = CountingFloor(Shapes.of(tiny()), torch.float32, repeats=1)
+    span = {"seconds": 9.0, "ordinals": [4, 5], "token_counts": [[3, 1], [2]]}
+    part = generate_part([span], {4: 7, 5: 6}, floor)
+    # the prefill gives each sample's first token; then passes 1 and 2 run the samples longer
+    # than 1 (two: 3 and 2 tokens) and longer than 2 (one): 3 sample-passes in all
+    assert part.tokens == 6
+    assert part.measured_s == 9.0
+    # plus the attention's FLOPs at the prefill's rate (a prefill of no time: a vanishing share)
+    assert part.floor_s == pytest.approx(3.0, abs=1e-6)
+    assert part.flops > floor.shapes.linear_flops(floor.shapes.body, 7 + 6)
+
+
+def test_a_groups_completion_is_summed_over_its_chunks(tmp_path):
+    spans = [
+        {"kind": "generate", "ordinals": [0, 1], "token_counts": [[4, 4], [4, 2]]},
+        {"kind": "train", "step": 0},
+        {"kind": "generate", "ordinals": [0], "token_counts": [[3, 0]]},
+    ]
+    (tmp_path / "timeline.jsonl").write_text("".join(json.dumps(s) + "\n" for s in spans))
+    assert completions_by_ordinal(tmp_path) == {0: [7, 4], 1: [4, 2]}
