@@ -54,6 +54,7 @@ from typing import Any
 
 import torch
 
+from asyncrl.config import ConfigError
 from asyncrl.config.keys import build_config
 from asyncrl.models.device import DTYPES, resolve_train_dtype
 from asyncrl.train.records import read_jsonl
@@ -126,14 +127,14 @@ class Floor:
         self.body = [w.detach().to(dtype).contiguous() for w in shapes.body]
         self.head = shapes.head.detach().to(dtype).contiguous()
         self._decode: dict[int, float] = {}
-        self._per_row: dict[tuple[str, int], float] = {}
+        self._per_row: dict[tuple[Any, ...], float] = {}
 
     def _scaled(self, kind: str, weights: list[torch.Tensor], rows: int, time_rows: Any) -> float:
         """`time_rows(weights, rows)`, timed as it is up to SCALE_ROWS rows; past that, timed at
         SCALE_ROWS and scaled by the rows (a product's time grows linearly there)."""
         if rows <= SCALE_ROWS:
             return float(time_rows(weights, rows))
-        key = (kind, id(weights[0]))
+        key = (kind, *map(id, weights))
         if key not in self._per_row:
             self._per_row[key] = time_rows(weights, SCALE_ROWS) / SCALE_ROWS
         return self._per_row[key] * rows
@@ -221,12 +222,10 @@ def train_part(run: Path, steps: list[dict[str, Any]], lengths: list[int], floor
         body_rows = sum(p + c for p, c in rows)
         head_rows = sum(c for _, c in rows)
         tokens += head_rows
-        step_flops = 3 * (
-            floor.shapes.linear_flops(floor.shapes.body, body_rows)
-            + floor.shapes.linear_flops([floor.shapes.head], head_rows)
-        )
+        body_flops = 3 * floor.shapes.linear_flops(floor.shapes.body, body_rows)
+        step_flops = body_flops + 3 * floor.shapes.linear_flops([floor.shapes.head], head_rows)
         body_s = floor.training_s(floor.body, body_rows)
-        rate = 3 * floor.shapes.linear_flops(floor.shapes.body, body_rows) / body_s
+        rate = body_flops / body_s
         attention = 3 * floor.attention_flops(sum((p + c) * (p + c + 1) / 2 for p, c in rows))
         floor_s += body_s + floor.training_s([floor.head], head_rows) + attention / rate
         flops += step_flops + attention
@@ -256,11 +255,10 @@ def generate_part(spans: list[dict[str, Any]], prompts: dict[int, int], floor: F
         ]
         tokens += sum(n for _, n in samples)
         prefill = sum(lengths)
-        prefill_s = floor.forward_s(floor.body, prefill) + floor.forward_s(
-            [floor.head], len(lengths)
-        )
+        body_s = floor.forward_s(floor.body, prefill)
+        prefill_s = body_s + floor.forward_s([floor.head], len(lengths))
         prefill_flops = floor.shapes.linear_flops(floor.shapes.body, prefill)
-        rate = prefill_flops / max(floor.forward_s(floor.body, prefill), 1e-9)
+        rate = prefill_flops / max(body_s, 1e-9)
         attention = floor.attention_flops(sum(p * (p + 1) / 2 for p in lengths))
         longest = max((n for _, n in samples), default=0)
         decode_s, decode_flops, pairs = 0.0, 0.0, 0.0
@@ -308,7 +306,10 @@ def measure(
 ) -> tuple[list[Part], float, str]:
     events = read_jsonl(run / "events.jsonl")
     start = next(e for e in events if e["event"] == "start")
-    config = build_config(start["config"])
+    try:
+        config = build_config(start["config"])
+    except ConfigError as err:  # its model or data moved since
+        raise SystemExit(f"{run}: the run's config no longer loads here: {err}") from None
     records = {r["step"]: r for r in read_jsonl(run / "metrics.jsonl")}  # the last of each step
     window = [records[s] for s in sorted(records) if s >= warmup]
     if len(window) < 2:
