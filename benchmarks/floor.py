@@ -56,7 +56,7 @@ import torch
 
 from asyncrl.config import ConfigError
 from asyncrl.config.keys import build_config
-from asyncrl.models.device import DTYPES, resolve_train_dtype
+from asyncrl.models.device import DTYPES, read_cpuinfo, resolve_train_dtype
 from asyncrl.train.records import read_jsonl
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -69,15 +69,12 @@ FLAGS = ("avx2", "avx512f", "avx512_bf16", "amx_bf16")
 def cpu_flags() -> tuple[str, str]:
     """(the CPU's model name, which of FLAGS it has, comma-joined)."""
     name, flags = platform.processor() or "unknown", set()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            key, _, value = line.partition(":")
-            if key.strip() == "model name":
-                name = value.strip()
-            elif key.strip() == "flags":
-                flags = set(value.split())
-    except OSError:
-        pass
+    for line in read_cpuinfo().splitlines():
+        key, _, value = line.partition(":")
+        if key.strip() == "model name":
+            name = value.strip()
+        elif key.strip() == "flags":
+            flags = set(value.split())
     return name, ",".join(f for f in FLAGS if f in flags) or "none"
 
 

@@ -139,11 +139,14 @@ def test_train_dtype_auto_is_bf16_only_where_the_device_has_it(monkeypatch):
     assert dev.resolve_train_dtype("bfloat16", cpu) == "bfloat16"
     assert dev.resolve_train_dtype("float32", cpu) == "float32"
     assert dev.dtype_line("float32", cpu) is None
-    for native, chosen in ((True, "bfloat16"), (False, "float32")):
-        monkeypatch.setattr(dev, "native_bf16", lambda device, n=native: n)
+    for flags, chosen, why in (
+        ("fpu avx2 avx512f avx512_bf16", "bfloat16", "its flags have avx512_bf16"),
+        ("fpu avx2 avx512f avx512bw", "float32", "its flags have no avx512_bf16 or amx_bf16"),
+    ):
+        monkeypatch.setattr(dev, "read_cpuinfo", lambda f=flags: f"processor : 0\nflags : {f}\n")
         assert dev.resolve_train_dtype("auto", cpu) == chosen
-        assert f"-> {chosen}" in (dev.dtype_line("auto", cpu) or "")
-    monkeypatch.setattr(dev, "native_bf16", lambda device: False)
+        assert dev.dtype_line("auto", cpu) == f"asyncrl: train.dtype=auto -> {chosen} (cpu: {why})"
+    monkeypatch.setattr(dev, "read_cpuinfo", lambda: "flags : fpu avx2\n")
     from helpers import DIGITS
 
     from asyncrl.algos.grpo import GRPO
@@ -155,3 +158,28 @@ def test_train_dtype_auto_is_bf16_only_where_the_device_has_it(monkeypatch):
     assert GRPO(policy, config).dtype == "float32"
     with pytest.raises(ConfigError, match=r"train\.dtype"):
         build_config({}, ["train.dtype=float16"])
+
+
+def test_native_bf16_on_a_cpu_is_read_from_its_flags_not_from_onednn():
+    """avx512_bf16 or amx_bf16 (x86), bf16 (aarch64's Features): native; AVX-512 without them
+    is not (oneDNN's own check says True there and emulates bf16 slowly), nor a CPU whose flags
+    cannot be read."""
+    from asyncrl.models.device import cpu_bf16
+
+    def info(key: str, words: str) -> str:
+        return f"processor\t: 0\nmodel name\t: X\n{key}\t\t: {words}\n\nprocessor\t: 1\n"
+
+    skylake = "fpu sse2 avx avx2 fma avx512f avx512dq avx512bw avx512vl avx512_vnni"
+    assert cpu_bf16(info("flags", skylake)) == (False, "its flags have no avx512_bf16 or amx_bf16")
+    assert cpu_bf16(info("flags", "fpu avx2 fma f16c")) == (
+        False,
+        "its flags have no avx512_bf16 or amx_bf16",
+    )
+    assert cpu_bf16(info("flags", skylake + " avx512_bf16")) == (
+        True,
+        "its flags have avx512_bf16",
+    )
+    assert cpu_bf16(info("flags", skylake + " amx_tile amx_bf16 amx_int8"))[0] is True
+    assert cpu_bf16(info("Features", "fp asimd sve bf16 i8mm")) == (True, "its flags have bf16")
+    assert cpu_bf16(info("flags", "avx512_bf16_not_a_flag"))[0] is False  # whole words only
+    assert cpu_bf16("") == (False, "no CPU flags could be read")

@@ -226,9 +226,10 @@ class TrainConfig:
     FSDP and torchtitan users know it: fp32 master weights, gradients and Adam moments, bf16
     matmuls under `torch.autocast`; log-probs, losses and the optimizer in fp32. `auto`:
     `bfloat16` where `train.device` multiplies bf16 natively (a GPU that supports it; a CPU
-    with avx512_bf16 or AMX, as oneDNN reports), `float32` elsewhere — a CPU without them
-    runs bf16 matmuls through a slow fallback (measured ~20x slower a training step here);
-    the start line says which was chosen."""
+    whose `/proc/cpuinfo` flags have avx512_bf16 or amx_bf16, or bf16 on aarch64 — not
+    oneDNN's check, which says yes on AVX-512 without bf16), `float32` elsewhere — a CPU
+    without them runs bf16 matmuls through a slow fallback (measured ~20x slower a training
+    step on an AVX2-only CPU); the start line says which was chosen and why."""
     micro_batch_size: int = field(default=0, metadata=MAY_CHANGE_UNLESS_DETERMINISTIC)
     """Sequences per forward/backward pass; 0 = the whole step (or PPO minibatch) at once.
     Losses are masked sums over the step's normaliser, so the gradient does not depend on it

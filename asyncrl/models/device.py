@@ -29,14 +29,57 @@ def resolve_device(key: str, name: str) -> torch.device:
     return device
 
 
-def native_bf16(device: torch.device) -> bool:
-    """Whether `device` multiplies bf16 natively: a CUDA GPU that supports it, or a CPU with
-    avx512_bf16 / AMX (oneDNN's check). Elsewhere bf16 matmuls take a slow fallback."""
+BF16_FLAGS = ("avx512_bf16", "amx_bf16")
+"""x86 flags of /proc/cpuinfo that mean bf16 matrix products in hardware (AVX512-BF16's dot
+products, AMX's tiles)."""
+
+ARM_BF16_FEATURES = ("bf16",)
+"""The aarch64 feature (Features line of /proc/cpuinfo) for BFDOT/BFMMLA."""
+
+
+def cpu_bf16(cpuinfo: str) -> tuple[bool, str]:
+    """Whether the CPU that `cpuinfo` (the text of /proc/cpuinfo) describes multiplies bf16
+    in hardware, and the reason in words: the flag found, or that none of `BF16_FLAGS` is
+    there. Read from the flags, not from oneDNN's `_is_mkldnn_bf16_supported()`, which also
+    says True on AVX-512 CPUs without bf16 (it emulates bf16 there, about as slowly as AVX2's
+    fallback)."""
+    words: set[str] = set()
+    for line in cpuinfo.splitlines():
+        key, _, value = line.partition(":")
+        if key.strip() in ("flags", "Features"):
+            words.update(value.split())
+    for flag in (*BF16_FLAGS, *ARM_BF16_FEATURES):
+        if flag in words:
+            return True, f"its flags have {flag}"
+    if not words:
+        return False, "no CPU flags could be read"
+    return False, "its flags have no " + " or ".join(BF16_FLAGS)
+
+
+def read_cpuinfo() -> str:
+    """/proc/cpuinfo's text ('' where there is none, as on macOS)."""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
+            return f.read()
+    except OSError:
+        return ""
+
+
+def native_bf16_why(device: torch.device) -> tuple[bool, str]:
+    """Whether `device` multiplies bf16 natively, and why: a CUDA GPU that supports it, or a
+    CPU whose flags have avx512_bf16, amx_bf16 (x86) or bf16 (aarch64). Elsewhere bf16
+    matmuls take a slow fallback."""
     if device.type == "cuda":
-        return bool(torch.cuda.is_available() and torch.cuda.is_bf16_supported())
+        ok = bool(torch.cuda.is_available() and torch.cuda.is_bf16_supported())
+        return ok, "torch.cuda.is_bf16_supported() is " + str(ok)
     if device.type == "cpu":
-        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
-    return False
+        return cpu_bf16(read_cpuinfo())
+    return False, f"{device.type} is not a cpu or cuda device"
+
+
+def native_bf16(device: torch.device) -> bool:
+    """`native_bf16_why`'s verdict alone."""
+    return native_bf16_why(device)[0]
 
 
 def resolve_train_dtype(dtype: str, device: torch.device) -> str:
@@ -48,12 +91,13 @@ def resolve_train_dtype(dtype: str, device: torch.device) -> str:
 
 
 def dtype_line(dtype: str, device: torch.device) -> str | None:
-    """The start line that says what `train.dtype=auto` chose on `device`, and why."""
+    """The start line that says what `train.dtype=auto` chose on `device`, and why:
+    `asyncrl: train.dtype=auto -> float32 (cpu: its flags have no avx512_bf16 or amx_bf16)`."""
     if dtype != "auto":
         return None
-    chosen = resolve_train_dtype(dtype, device)
-    has = "has" if chosen == "bfloat16" else "has no"
-    return f"asyncrl: train.dtype=auto -> {chosen} ({device.type} {has} native bf16 matmuls)"
+    native, why = native_bf16_why(device)
+    chosen = "bfloat16" if native else "float32"
+    return f"asyncrl: train.dtype=auto -> {chosen} ({device.type}: {why})"
 
 
 @contextlib.contextmanager
