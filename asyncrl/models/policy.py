@@ -22,6 +22,7 @@ from transformers import (
 )
 
 from asyncrl.config import ConfigError, ModelConfig
+from asyncrl.models.attention import use_grouped_sdpa
 from asyncrl.models.tokenizer import build_char_tokenizer
 
 
@@ -84,6 +85,7 @@ def load_pretrained_policy(path: str | Path) -> Policy:
     if tokenizer.eos_token_id is None:
         raise ConfigError(f"model.path: the tokenizer in {path} has no eos_token; set one")
     tokenizer.padding_side = "left"
+    use_grouped_sdpa(model)  # no copy of the KV heads per layer (asyncrl/models/attention.py)
     return Policy(model=model, tokenizer=tokenizer)
 
 

@@ -262,33 +262,42 @@ class TorchGenerationEngine:
         room = limits - offsets  # tokens each row may still add (>= 1)
         steps = min(max_tokens or self.max_new_tokens, int(room.max()))
         batch = len(rows)
-        at = torch.arange(batch, device=self.device)
+        tokens = torch.full((batch, steps), self.pad_id, dtype=torch.int64, device=self.device)
+        logprobs = torch.zeros(batch, steps, device=self.device)
+        masks = torch.zeros(batch, steps, dtype=torch.bool, device=self.device)
         finished = torch.zeros(batch, dtype=torch.bool, device=self.device)
-        tokens, logprobs, masks = [], [], []
+        live = torch.arange(batch, device=self.device)
+        """The rows the cache and `out` hold (positions in the batch): only unfinished ones,
+        as a row that finishes is compacted out of the cache before the next pass."""
+        width = 0
         for step in range(steps):
             fault_point("engine.decode_step")
             scale = self.temperature or 1.0  # 0: greedy (the evaluation's), log-probs at 1
             step_logprobs = torch.log_softmax(out.logits[:, -1].float() / scale, -1)
-            column = (offsets + step).clamp(max=self.max_new_tokens - 1)
+            column = (offsets[live] + step).clamp(max=self.max_new_tokens - 1)
             if self.temperature:
-                token = sample_inverse_cdf(step_logprobs.exp(), uniforms[at, column])
+                token = sample_inverse_cdf(step_logprobs.exp(), uniforms[live, column])
             else:
                 token = step_logprobs.argmax(-1)
-            token = torch.where(finished, torch.full_like(token, self.pad_id), token)
-            chosen = step_logprobs.gather(-1, token.unsqueeze(-1)).squeeze(-1)
-            alive = ~finished
-            tokens.append(token)
-            logprobs.append(torch.where(alive, chosen, torch.zeros_like(chosen)))
-            masks.append(alive)
-            finished = finished | (token == self.eos_id) | (step + 1 >= room)
-            if bool(finished.all()):
+            tokens[live, step] = token
+            logprobs[live, step] = step_logprobs.gather(-1, token.unsqueeze(-1)).squeeze(-1)
+            masks[live, step] = True
+            width = step + 1
+            ends = (token == self.eos_id) | (step + 1 >= room[live])
+            finished[live] = ends
+            if bool(ends.all()):
                 break
             if step == steps - 1:  # the chunk ends with samples to continue
                 if self._keep_cache:
-                    self._keep(requests, rows, out, attention, positions, token, finished,
-                               offsets + step + 1, version)  # fmt: skip
+                    self._keep(requests, rows, live, out, attention, positions, token, ends,
+                               offsets[live] + step + 1, version)  # fmt: skip
                 break
-            attention = torch.cat([attention, alive.long().unsqueeze(-1)], dim=1)
+            if bool(ends.any()):  # the finished rows leave the batch (and its cache)
+                going = torch.nonzero(~ends).squeeze(-1)
+                out.past_key_values.batch_select_indices(going)
+                live, token = live[going], token[going]
+                attention, positions = attention[going], positions[going]
+            attention = torch.cat([attention, attention.new_ones(len(live), 1)], dim=1)
             positions = positions[:, -1:] + 1
             out = self._model(
                 input_ids=token.unsqueeze(-1),
@@ -297,17 +306,13 @@ class TorchGenerationEngine:
                 past_key_values=out.past_key_values,
                 use_cache=True,
             )
-        return (
-            torch.stack(tokens, 1),
-            torch.stack(logprobs, 1),
-            torch.stack(masks, 1),
-            finished,
-        )
+        return tokens[:, :width], logprobs[:, :width], masks[:, :width], finished
 
     def _keep(
         self,
         requests: list[GenerationRequest],
         rows: torch.Tensor,
+        live: torch.Tensor,
         out: Any,
         attention: torch.Tensor,
         positions: torch.Tensor,
@@ -316,12 +321,14 @@ class TorchGenerationEngine:
         lengths: torch.Tensor,
         version: int,
     ) -> None:
-        """Keeps the cache of the unfinished rows for the next chunk."""
+        """Keeps the cache of the unfinished rows for the next chunk (row i of the cache is
+        the batch's row `live[i]`)."""
         seeds = [r.noise_seed for r in requests for _ in range(r.num_samples)]
         samples = [i for r in requests for i in range(r.num_samples)]
+        flat = rows.tolist()
         keys = {
-            (seeds[row], samples[row], int(lengths[i])): i
-            for i, row in enumerate(rows.tolist())
+            (seeds[flat[at]], samples[flat[at]], int(lengths[i])): i
+            for i, at in enumerate(live.tolist())
             if not bool(finished[i])
         }
         self._carry = _Carry(version, keys, out.past_key_values, attention, positions, pending)

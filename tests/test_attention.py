@@ -1,0 +1,47 @@
+"""asyncrl_sdpa (asyncrl/models/attention.py): grouped-query attention with a mask, without
+copying the KV heads, gives transformers' `sdpa` logits bit for bit, and only grouped models
+are switched to it."""
+
+from __future__ import annotations
+
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from asyncrl.models.attention import NAME, use_grouped_sdpa
+from asyncrl.models.policy import left_pad, position_ids
+
+
+def tiny(kv_heads: int) -> LlamaForCausalLM:
+    config = LlamaConfig(
+        vocab_size=50, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=kv_heads, attn_implementation="sdpa",
+    )  # fmt: skip
+    torch.manual_seed(0)
+    return LlamaForCausalLM(config).eval()
+
+
+def test_grouped_attention_with_padding_gives_sdpas_logits_bit_for_bit():
+    model = tiny(kv_heads=2)
+    ids, mask = left_pad([[1, 2, 3, 4, 5], [6, 7], [8, 9, 10]], pad_id=0)
+    with torch.no_grad():
+        want = model(input_ids=ids, attention_mask=mask, position_ids=position_ids(mask)).logits
+        assert use_grouped_sdpa(model) and model.config._attn_implementation == NAME
+        got = model(input_ids=ids, attention_mask=mask, position_ids=position_ids(mask)).logits
+    assert torch.equal(got, want)
+    # and a decode step over a cache, the engine's shape
+    with torch.no_grad():
+        model.set_attn_implementation("sdpa")
+        out = model(input_ids=ids, attention_mask=mask, use_cache=True)
+        step = torch.cat([mask, torch.ones(3, 1, dtype=mask.dtype)], 1)
+        nxt = torch.tensor([[11], [12], [13]])
+        want = model(input_ids=nxt, attention_mask=step, past_key_values=out.past_key_values)
+        out = model(input_ids=ids, attention_mask=mask, use_cache=True)
+        model.set_attn_implementation(NAME)
+        got = model(input_ids=nxt, attention_mask=step, past_key_values=out.past_key_values)
+    assert torch.equal(got.logits, want.logits)
+
+
+def test_a_model_without_groups_keeps_sdpa():
+    model = tiny(kv_heads=4)
+    assert not use_grouped_sdpa(model)
+    assert model.config._attn_implementation == "sdpa"
