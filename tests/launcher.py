@@ -28,6 +28,7 @@ import contextlib
 import ctypes
 import json
 import os
+import shutil
 import signal
 import socket
 import struct
@@ -59,6 +60,9 @@ PRELOAD = (
     "peft",
 )
 """What every launch would import anyway (the zygote imports each that is installed)."""
+PRELOAD_VAR = "ASYNCRL_TEST_ZYGOTE_PRELOAD"
+"""A zygote's own variable: more modules to import (`vllm`, for the launches that run it: any
+argument names vLLM, as `rollout.engine=vllm` or a script `vllm_*.py` does)."""
 
 _PR_SET_CHILD_SUBREAPER = 36
 ENABLED = os.environ.get("ASYNCRL_TEST_NO_ZYGOTE", "") not in ("1", "true")
@@ -157,11 +161,18 @@ class Process:
 class Zygote:
     """One pre-imported interpreter that forks launches on request (`tests/zygote_main.py`)."""
 
-    def __init__(self, hash_seed: str) -> None:
+    def __init__(self, hash_seed: str, listen: str = "", preload: str = "") -> None:
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         env = {**os.environ, "PYTHONHASHSEED": hash_seed, "PYTHONWARNINGS": "ignore"}
+        env[PRELOAD_VAR] = preload
+        mode = ["--listen", listen, json.dumps(_startup_vars(os.environ))] if listen else []
         self.proc = subprocess.Popen(
-            [sys.executable, str(Path(__file__).with_name("zygote_main.py")), str(theirs.fileno())],
+            [
+                sys.executable,
+                str(Path(__file__).with_name("zygote_main.py")),
+                str(theirs.fileno()),
+                *mode,
+            ],
             pass_fds=[theirs.fileno()],
             env=env,
             stdin=subprocess.DEVNULL,
@@ -194,9 +205,19 @@ _turn = 0
 _lock = threading.Lock()
 
 
-def _zygote() -> Zygote:
-    global _turn
+_vllm_zygote: Zygote | None = None
+
+
+def _zygote(vllm: bool = False) -> Zygote:
+    """The next zygote in turn; for a launch that runs vLLM, one that has imported it too (9 s
+    of imports a launch), started on first need."""
+    global _turn, _vllm_zygote
     with _lock:
+        if vllm:
+            if _vllm_zygote is None:
+                seed = os.environ.get("PYTHONHASHSEED", str(int.from_bytes(os.urandom(2), "big")))
+                _vllm_zygote = Zygote(seed, preload="vllm")
+            return _vllm_zygote
         if not _zygotes:
             libc = ctypes.CDLL(None, use_errno=True)
             if libc.prctl(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) != 0:
@@ -212,10 +233,139 @@ def _zygote() -> Zygote:
 
 def shutdown() -> None:
     """Stops the zygotes (the launches they forked are the test's own to end)."""
+    global _rank_zygote, _vllm_zygote
     with _lock:
         for zygote in _zygotes:
             zygote.close()
         _zygotes.clear()
+        if _vllm_zygote is not None:
+            _vllm_zygote.close()
+            _vllm_zygote = None
+        if _rank_zygote is not None:
+            _rank_zygote.close()
+            _rank_zygote = None
+            shutil.rmtree(Path(_rank_socket).parent, ignore_errors=True)
+
+
+# --- the trainer ranks a launch starts ----------------------------------------------------------
+
+SPAWN_VAR = "ASYNCRL_TEST_SPAWN"
+"""The product's test-only seam (`asyncrl/train/ranks.py`): a launch whose environment names
+this file there starts its trainer ranks with `spawn` below instead of `subprocess.Popen`."""
+RANK_ZYGOTE_VAR = "ASYNCRL_TEST_RANK_ZYGOTE"
+"""Where `spawn` finds the rank zygote: the path of its listening socket."""
+_rank_zygote: Zygote | None = None
+_rank_socket = ""
+
+
+def _rank_zygote_env() -> dict[str, str]:
+    """The variables that let a launch's trainer ranks be forked from the rank zygote (started
+    once, on first need): `asyncrl train` with `train.num_processes` > 1 starts each rank > 0
+    as `python -m asyncrl.train.ranks`, a fresh interpreter that imports torch and transformers
+    again (6 s here), unless `ASYNCRL_TEST_SPAWN` names a file whose `spawn` starts it."""
+    global _rank_zygote, _rank_socket
+    with _lock:
+        if _rank_zygote is None:
+            import tempfile
+
+            _rank_socket = str(Path(tempfile.mkdtemp(prefix="asyncrl-ranks-z-")) / "sock")
+            seed = str(int.from_bytes(os.urandom(2), "big"))
+            _rank_zygote = Zygote(os.environ.get("PYTHONHASHSEED", seed), listen=_rank_socket)
+    return {SPAWN_VAR: str(Path(__file__).resolve()), RANK_ZYGOTE_VAR: _rank_socket}
+
+
+def rank_pids(driver: int) -> list[int]:
+    """PIDs of the live processes the rank zygote forked for the launch `driver` (its
+    `ASYNCRL_PARENT_PID`): a forked process's /proc/PID/environ is the zygote's, so it is found
+    in the zygote's own list, checked against /proc (alive, not a zombie, still its waiter's
+    child, so a reused pid is never counted)."""
+    if not _rank_socket or not os.path.exists(_rank_socket + ".jsonl"):
+        return []
+    found = []
+    with open(_rank_socket + ".jsonl") as log:
+        entries = [json.loads(line) for line in log if line.endswith("\n")]
+    for entry in entries:
+        if entry["driver"] != str(driver):
+            continue
+        try:
+            stat = Path(f"/proc/{entry['pid']}/stat").read_text()
+        except OSError:
+            continue
+        state, ppid = stat.rsplit(")", 1)[1].split()[:2]
+        if state not in ("Z", "X") and int(ppid) == entry["waiter"]:
+            found.append(entry["pid"])
+    return found
+
+
+class Waited:
+    """(In a launch.) `subprocess.Popen`'s handle on a process the rank zygote forked: its
+    waiter, the launch's parent, sends the exit status over the connection once it reaped it."""
+
+    def __init__(self, args: list[str], pid: int, sock: socket.socket) -> None:
+        self.args = args
+        self.pid = pid
+        self.returncode: int | None = None
+        self._sock = sock
+
+    def poll(self) -> int | None:
+        return self._read(0.0)
+
+    def _read(self, timeout: float | None) -> int | None:
+        import select
+
+        if self.returncode is None:
+            ready, _, _ = select.select([self._sock], [], [], timeout)
+            if ready:
+                try:
+                    reply, _ = _recv(self._sock)
+                    self.returncode = int(reply["exit"])
+                except (EOFError, ConnectionError):  # its waiter was killed: it is gone too
+                    self.returncode = -signal.SIGKILL
+                self._sock.close()
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        code = self._read(timeout)
+        if code is None:
+            raise subprocess.TimeoutExpired(self.args, timeout)
+        return code
+
+    def send_signal(self, sig: int) -> None:
+        if self.poll() is None:
+            os.kill(self.pid, sig)
+
+    def kill(self) -> None:
+        self.send_signal(signal.SIGKILL)
+
+    def terminate(self) -> None:
+        self.send_signal(signal.SIGTERM)
+
+
+def spawn(args: list[str], env: dict[str, str]) -> Any:
+    """(In a launch, called by `asyncrl.train.ranks.launch` through `ASYNCRL_TEST_SPAWN`.)
+    `subprocess.Popen(args, env=env)` for a trainer rank, forked from the rank zygote where it
+    can be: a real process with the launch's standard streams, environment and folder, whose
+    exit status comes back as a child's would."""
+    form = _forkable(args)
+    where = env.get(RANK_ZYGOTE_VAR, "")
+    if form is None or not where or not os.path.exists(where):
+        return subprocess.Popen(args, env=env)
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    sock.connect(where)
+    kind, target = form
+    command = {
+        "kind": kind,
+        "target": target,
+        "argv": args[3:] if kind == "module" else args[2:],
+        "env": env,
+        "cwd": os.getcwd(),
+    }
+    _send(sock, command, [0, 1, 2])
+    reply, _ = _recv(sock)
+    if "fresh" in reply:
+        sock.close()
+        return subprocess.Popen(args, env=env)
+    return Waited(args, int(reply["pid"]), sock)
 
 
 def _forkable(args: list[str]) -> tuple[str, str] | None:
@@ -289,6 +439,8 @@ def popen(
     fresh = not ENABLED or form is None or kwargs or stdin not in (None, subprocess.DEVNULL)
     fresh = fresh or (env is not None and _startup_vars(env) != _startup_vars(os.environ))
     _log(args, forked=not fresh)
+    if ENABLED and form is not None and SPAWN_VAR not in (os.environ if env is None else env):
+        env = {**(os.environ if env is None else env), **_rank_zygote_env()}  # "": opted out
     if fresh:
         return subprocess.Popen(
             args, env=env, cwd=cwd, stdout=stdout, stderr=stderr, stdin=stdin, text=text, **kwargs
@@ -315,7 +467,7 @@ def popen(
             "env": dict(os.environ if env is None else env),
             "cwd": str(cwd or os.getcwd()),
         }
-        pid = _zygote().fork(command, [null, out, err])
+        pid = _zygote(any("vllm" in a for a in args)).fork(command, [null, out, err])
         LAUNCHED.append(" ".join(args)[:200])
     except BaseException:
         for fd in pipes.values():

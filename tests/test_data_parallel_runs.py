@@ -44,9 +44,11 @@ STEPS = 12
 def rank_processes(driver: int) -> list[int]:
     """PIDs of the trainer ranks > 0 that the driver process `driver` (rank 0) started and that
     are still alive. A rank's environment names its driver (`ASYNCRL_PARENT_PID`), so they are
-    found after the driver died too; no other process on the machine is ever counted."""
+    found after the driver died too; no other process on the machine is ever counted. Ranks
+    forked by the test launcher's rank zygote (whose /proc environ is the zygote's) are found
+    in its own list."""
     tag = f"ASYNCRL_PARENT_PID={driver}".encode()
-    found = []
+    found = launcher.rank_pids(driver)
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit():
             continue
@@ -315,9 +317,13 @@ def test_the_socket_check_sees_a_socket_listening_on_every_interface():
         assert found and not all(a.startswith(LOOPBACK) for a, _ in found)
 
 
-def test_a_two_rank_run_learns_the_demo_task_listening_on_loopback_only(tmp_path, repo_root):
+def test_a_two_rank_run_learns_the_demo_task_listening_on_loopback_only(
+    tmp_path, repo_root, monkeypatch
+):
     """It learns, and nothing of it listens beyond loopback while it trains (I7: the ranks
-    meet through a file; gloo runs over `lo`)."""
+    meet through a file; gloo runs over `lo`). Its rank is started as users' are, a fresh
+    `python -m asyncrl.train.ranks` (not forked by the test launcher's rank zygote)."""
+    monkeypatch.setenv(launcher.SPAWN_VAR, "")
     run = tmp_path / "run"
     demo = (  # configs/demo.yaml's own shape, over the crash runs' settings
         "rollout.num_prompts_per_step=16",

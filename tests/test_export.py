@@ -182,7 +182,9 @@ def test_a_format_1_checkpoint_exports_its_weights(tmp_path, repo_root):
 VLLM_GREEDY = """
 import json, sys
 from vllm import LLM, SamplingParams
-llm = LLM(model=sys.argv[1], dtype="float32", kv_cache_memory_bytes=64 << 20, seed=0)
+llm = LLM(
+    model=sys.argv[1], dtype="float32", kv_cache_memory_bytes=64 << 20, seed=0, enforce_eager=True
+)
 params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
 outs = llm.generate(json.loads(sys.argv[2]), params)
 chat = [{"role": "user", "content": "Sort 31524"}]
@@ -191,15 +193,17 @@ print(json.dumps({"tokens": [list(o.outputs[0].token_ids) for o in outs], "chat"
 """
 
 
-def test_vllm_loads_the_export_and_decodes_greedily_as_transformers_does(qwen2):
+def test_vllm_loads_the_export_and_decodes_greedily_as_transformers_does(qwen2, tmp_path):
     if os.environ.get("CI") != "true":  # CI installs vLLM: there the test must run, not skip
         pytest.importorskip("vllm")
     _, _, out = qwen2
+    script = tmp_path / "vllm_greedy.py"  # a script (not -c): the test launcher forks it
+    script.write_text(VLLM_GREEDY)
     prompts = ["31524=", "Sort 9 1 5"]
     env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_LOGGING_LEVEL": "ERROR"}
     env.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
     done = launcher.run(
-        [sys.executable, "-c", VLLM_GREEDY, str(out), json.dumps(prompts)],
+        [sys.executable, str(script), str(out), json.dumps(prompts)],
         capture_output=True, text=True, timeout=300, env=env,
     )  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]

@@ -15,8 +15,10 @@ from __future__ import annotations
 import contextlib
 import importlib
 import io
+import json
 import os
 import runpy
+import select
 import signal
 import socket
 import sys
@@ -31,11 +33,12 @@ BASE_PATH = [p for p in sys.path if p not in _inherited]
 """`sys.path` as a fresh interpreter has it before its script's folder and PYTHONPATH."""
 
 sys.path.insert(0, HERE)
-from launcher import PRELOAD, _recv, _send  # noqa: E402
+from launcher import PRELOAD, STARTUP_VARS, _recv, _send  # noqa: E402
 
 sys.path.remove(HERE)
 
-for name in PRELOAD:  # one not installed here is imported by the launch that needs it
+_extra = [m for m in os.environ.pop("ASYNCRL_TEST_ZYGOTE_PRELOAD", "").split(",") if m]
+for name in (*PRELOAD, *_extra):  # one not installed here is imported by the launch needing it
     with contextlib.suppress(Exception):
         importlib.import_module(name)
 del sys.modules["launcher"]
@@ -123,7 +126,70 @@ def serve(sock: socket.socket) -> tuple[dict, list[int]] | None:
         _send(sock, {"pid": int(pid)} if pid else {"error": "fork failed"}, [])
 
 
-launched = serve(socket.socket(fileno=int(sys.argv[1])))
+def serve_listening(control: socket.socket, path: str, test_vars: dict) -> tuple | None:
+    """The rank zygote (`python tests/zygote_main.py FD --listen PATH VARS`): forks, for any
+    process that connects to PATH (an `asyncrl train` launch starting its trainer ranks:
+    `launcher.spawn`), a launch that stays the child of a *waiter*: the waiter sends the
+    launch's pid, then its exit status once it has reaped it, so the process that asked can
+    poll, wait and read the status as a parent would. A command whose start-up variables differ
+    from the test process's (VARS) is answered `fresh` (the asker starts it with subprocess).
+    Each launch is appended to PATH.jsonl (driver, pid, waiter) so the tests can find it.
+    Returns in a launch its command; None once the test process closes FD."""
+    server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    server.bind(path)
+    server.listen(64)
+    signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # the kernel reaps the waiters
+    while True:
+        ready, _, _ = select.select([server, control], [], [])
+        if control in ready:
+            return None
+        conn, _ = server.accept()
+        try:
+            command, fds = _recv(conn)
+        except (EOFError, ConnectionError):
+            conn.close()
+            continue
+        env = command["env"]
+        if {k: v for k, v in env.items() if k.startswith(STARTUP_VARS)} != test_vars:
+            with contextlib.suppress(OSError):
+                _send(conn, {"fresh": True}, [])
+            for fd in fds:
+                os.close(fd)
+            conn.close()
+            continue
+        sys.stdout.flush()
+        sys.stderr.flush()
+        if os.fork() == 0:  # the waiter
+            signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+            server.close()
+            control.close()
+            launch = os.fork()
+            if launch == 0:
+                conn.close()
+                return command, fds
+            for fd in fds:
+                os.close(fd)
+            with open(path + ".jsonl", "a") as log:
+                driver = env.get("ASYNCRL_PARENT_PID", "")
+                log.write(json.dumps({"driver": driver, "pid": launch, "waiter": os.getpid()}))
+                log.write("\n")
+            with contextlib.suppress(OSError):
+                _send(conn, {"pid": launch}, [])
+            _, status = os.waitpid(launch, 0)
+            with contextlib.suppress(OSError):
+                _send(conn, {"exit": os.waitstatus_to_exitcode(status)}, [])
+            os._exit(0)
+        for fd in fds:
+            os.close(fd)
+        conn.close()
+
+
+_control = socket.socket(fileno=int(sys.argv[1]))
+if len(sys.argv) > 2 and sys.argv[2] == "--listen":
+    launched = serve_listening(_control, sys.argv[3], json.loads(sys.argv[4]))
+else:
+    launched = serve(_control)
+del _control
 if launched is None:
     sys.exit(0)
 _become(*launched)

@@ -36,6 +36,7 @@ is the one with the run dir.
 from __future__ import annotations
 
 import os
+import select
 import shutil
 import signal
 import subprocess
@@ -89,7 +90,7 @@ class RankGroup:
     def __init__(
         self,
         ranks: TorchRanks,
-        children: list[subprocess.Popen[bytes]],
+        children: list[Any],  # subprocess.Popen, or what ASYNCRL_TEST_SPAWN starts
         rendezvous_dir: Path | None = None,
         timeout_s: float = 0.0,
     ) -> None:
@@ -229,6 +230,28 @@ class RankGroup:
             self._abandon.cancel()
 
 
+TEST_SPAWN = "ASYNCRL_TEST_SPAWN"
+"""Test-only (docs/testing.md, never set otherwise): a Python file whose `spawn(argv, env)`
+starts each rank > 0 instead of `subprocess.Popen(argv, env=env)`, returning a handle with
+Popen's `pid`, `returncode`, `poll`, `wait`, `kill`. The suite's pre-imported launcher
+(`tests/launcher.py`) forks ranks with it: real processes, without a fresh interpreter's
+seconds of imports each."""
+
+
+def _spawner() -> Callable[..., Any]:
+    path = os.environ.get(TEST_SPAWN, "")
+    if not path:
+        return subprocess.Popen
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("asyncrl_test_spawn", path)
+    if spec is None or spec.loader is None:
+        raise ConfigError(f"{TEST_SPAWN}: {path} is not a Python file")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.spawn  # type: ignore[no-any-return]
+
+
 def launch(config: Config, scratch: Path | None = None) -> RankGroup | None:
     """Rank 0's start of a `train.num_processes` > 1 run: the other ranks (spawned here unless
     torchrun started them), the process group, and the resolved config sent to every rank."""
@@ -257,8 +280,9 @@ def launch(config: Config, scratch: Path | None = None) -> RankGroup | None:
         "ASYNCRL_TRAIN_DEVICE": config.train.device,
     }
     argv = [sys.executable, "-m", "asyncrl.train.ranks"]
+    spawn = _spawner()
     children = [
-        subprocess.Popen(argv, env={**env, "RANK": str(rank), "LOCAL_RANK": str(rank)})
+        spawn(argv, env={**env, "RANK": str(rank), "LOCAL_RANK": str(rank)})
         for rank in range(1, world_size)
     ]
     try:
@@ -277,11 +301,21 @@ def launch(config: Config, scratch: Path | None = None) -> RankGroup | None:
 
 def _watch_parent(parent_pid: int) -> None:
     """Exits this rank once the process that spawned it is gone (a SIGKILLed rank 0 cannot
-    tell it)."""
+    tell it): at once, from a pidfd of rank 0's process, which becomes readable when it ends
+    (its parent, where pidfds are not to be had)."""
+    try:
+        pidfd = os.pidfd_open(parent_pid)
+    except ProcessLookupError:  # already gone
+        os._exit(1)
+    except (AttributeError, OSError):  # no pidfds (Linux < 5.3): rank 0 is our parent
+        pidfd = -1
 
     def watch() -> None:
-        while os.getppid() == parent_pid:
-            time.sleep(0.5)
+        if pidfd >= 0:
+            select.select([pidfd], [], [])
+        else:
+            while os.getppid() == parent_pid:
+                time.sleep(0.5)
         os._exit(1)
 
     threading.Thread(target=watch, name="asyncrl-parent-watch", daemon=True).start()
