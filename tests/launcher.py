@@ -206,6 +206,18 @@ _lock = threading.Lock()
 
 
 _vllm_zygote: Zygote | None = None
+_subreaper = False
+
+
+def _become_subreaper() -> None:
+    """Makes this process the child subreaper: a launch, once its zygote's middle process has
+    exited, is reparented here, so its exit status is ours to read."""
+    global _subreaper
+    if not _subreaper:
+        libc = ctypes.CDLL(None, use_errno=True)
+        if libc.prctl(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) != 0:
+            raise OSError(ctypes.get_errno(), "prctl(PR_SET_CHILD_SUBREAPER)")
+        _subreaper = True
 
 
 def _zygote(vllm: bool = False) -> Zygote:
@@ -213,15 +225,13 @@ def _zygote(vllm: bool = False) -> Zygote:
     of imports a launch), started on first need."""
     global _turn, _vllm_zygote
     with _lock:
+        _become_subreaper()
         if vllm:
             if _vllm_zygote is None:
                 seed = os.environ.get("PYTHONHASHSEED", str(int.from_bytes(os.urandom(2), "big")))
                 _vllm_zygote = Zygote(seed, preload="vllm")
             return _vllm_zygote
         if not _zygotes:
-            libc = ctypes.CDLL(None, use_errno=True)
-            if libc.prctl(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) != 0:
-                raise OSError(ctypes.get_errno(), "prctl(PR_SET_CHILD_SUBREAPER)")
             if "PYTHONHASHSEED" in os.environ:  # the test process fixed it: so do its launches
                 _zygotes.append(Zygote(os.environ["PYTHONHASHSEED"]))
             else:
