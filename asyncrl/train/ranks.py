@@ -249,7 +249,7 @@ def _spawner() -> Callable[..., Any]:
         raise ConfigError(f"{TEST_SPAWN}: {path} is not a Python file")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
-    return module.spawn  # type: ignore[no-any-return]
+    return module.spawn
 
 
 def launch(config: Config, scratch: Path | None = None) -> RankGroup | None:
