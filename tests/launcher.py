@@ -87,7 +87,26 @@ def _recv(sock: socket.socket) -> tuple[dict, list[int]]:
     return json.loads(data), fds
 
 
-class Process:
+class _Signals:
+    """`subprocess.Popen`'s signals, for a handle with `pid` and `poll`."""
+
+    pid: int
+
+    def poll(self) -> int | None:
+        raise NotImplementedError
+
+    def send_signal(self, sig: int) -> None:
+        if self.poll() is None:
+            os.kill(self.pid, sig)
+
+    def kill(self) -> None:
+        self.send_signal(signal.SIGKILL)
+
+    def terminate(self) -> None:
+        self.send_signal(signal.SIGTERM)
+
+
+class Process(_Signals):
     """The handle of one launch: `subprocess.Popen`'s `pid`, `returncode`, `poll`, `wait`,
     `communicate`, `send_signal`, `kill` and `terminate` (a pipe's output is read in a thread,
     so a chatty process never blocks on a full pipe; `communicate` returns it)."""
@@ -140,16 +159,6 @@ class Process:
                 raise subprocess.TimeoutExpired(self.args, timeout)
         self.wait(None if deadline is None else max(0.0, deadline - time.monotonic()))
         return self._output("stdout"), self._output("stderr")
-
-    def send_signal(self, sig: int) -> None:
-        if self.poll() is None:
-            os.kill(self.pid, sig)
-
-    def kill(self) -> None:
-        self.send_signal(signal.SIGKILL)
-
-    def terminate(self) -> None:
-        self.send_signal(signal.SIGTERM)
 
     def __enter__(self) -> Process:
         return self
@@ -307,7 +316,7 @@ def rank_pids(driver: int) -> list[int]:
     return found
 
 
-class Waited:
+class Waited(_Signals):
     """(In a launch.) `subprocess.Popen`'s handle on a process the rank zygote forked: its
     waiter, the launch's parent, sends the exit status over the connection once it reaped it."""
 
@@ -339,16 +348,6 @@ class Waited:
         if code is None:
             raise subprocess.TimeoutExpired(self.args, timeout)
         return code
-
-    def send_signal(self, sig: int) -> None:
-        if self.poll() is None:
-            os.kill(self.pid, sig)
-
-    def kill(self) -> None:
-        self.send_signal(signal.SIGKILL)
-
-    def terminate(self) -> None:
-        self.send_signal(signal.SIGTERM)
 
 
 def spawn(args: list[str], env: dict[str, str]) -> Any:

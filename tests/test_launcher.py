@@ -77,3 +77,46 @@ def test_sigkill_kills_the_launch_and_its_status_is_the_kernels(tmp_path):
     assert proc.wait(60) == -signal.SIGKILL
     assert process_gone(proc.pid)
     proc.communicate(timeout=60)
+
+
+@pytest.mark.skipif(not launcher.ENABLED, reason="ASYNCRL_TEST_NO_ZYGOTE is set")
+def test_a_rank_forked_for_a_launch_reports_its_exit_status_as_a_child_would(
+    tmp_path, capfd, monkeypatch
+):
+    """`launcher.spawn`, what `asyncrl.train.ranks` calls through ASYNCRL_TEST_SPAWN: the rank
+    zygote forks the process (another's child: its waiter's), with the asker's environment,
+    folder and streams; the exit status comes back through the waiter, a SIGKILL's too; the
+    tests find the live process by its driver; a changed start-up variable gets a fresh
+    interpreter from subprocess."""
+    monkeypatch.chdir(tmp_path)
+    driver = str(os.getpid())
+    env = {**os.environ, **launcher._rank_zygote_env(), "PROBE": "rank"}
+    env["ASYNCRL_PARENT_PID"] = driver
+    done = launcher.spawn([sys.executable, str(PROBE), "3", str(tmp_path / "atexit")], env)
+    assert isinstance(done, launcher.Waited)
+    assert done.wait(120) == 3 and done.returncode == 3
+    seen = json.loads(capfd.readouterr().out.strip().splitlines()[-1])
+    assert seen["probe"] == "rank" and seen["cwd"] == str(tmp_path)
+    assert seen["torch_preloaded"], "not forked from the rank zygote"
+    assert seen["ppid"] != os.getpid(), "the waiter's child"
+    assert (tmp_path / "atexit").read_text() == "atexit ran"  # the interpreter's own exit
+
+    sleeper = tmp_path / "sleeper.py"
+    sleeper.write_text("import time\ntime.sleep(600)\n")
+    held = launcher.spawn([sys.executable, str(sleeper)], env)
+    assert held.poll() is None
+    with pytest.raises(subprocess.TimeoutExpired):
+        held.wait(0.05)
+    assert launcher.rank_pids(int(driver)) == [held.pid]
+    held.kill()
+    assert held.wait(120) == -signal.SIGKILL
+    deadline = time.monotonic() + 60  # the waiter reaps it, then the list no longer has it
+    while launcher.rank_pids(int(driver)) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert launcher.rank_pids(int(driver)) == []
+
+    fresh = launcher.spawn([sys.executable, str(PROBE), "0", str(tmp_path / "atexit-fresh")],
+                           {**env, "OMP_NUM_THREADS": "7"})  # fmt: skip
+    assert isinstance(fresh, subprocess.Popen)
+    assert fresh.wait(120) == 0
+    assert not json.loads(capfd.readouterr().out.strip().splitlines()[-1])["torch_preloaded"]
