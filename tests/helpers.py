@@ -149,16 +149,3 @@ def prepared_smollm2(tmp_path_factory: Any) -> Path:
         "smollm2-135m-instruct",
         lambda out: prepare_model("smollm2-135m-instruct", out, log=lambda line: None),
     )
-
-
-def local_ray_for_launches() -> str:
-    """Starts a local Ray in the test process, as `start_ray` starts one for a run, and returns
-    `ray.address=GCS` for `asyncrl train` launches to join it: each launch would otherwise start
-    and stop a Ray of its own (~7 s here). The caller shuts it down (`ray.shutdown()`) when its
-    launches are done. A SIGKILLed launch is a dead driver of this Ray: Ray ends its actors."""
-    import ray
-
-    from asyncrl.distributed.cluster import start_ray
-
-    assert start_ray(small_config("rollout.backend=ray")), "a Ray was already running here"
-    return f"ray.address={ray.get_runtime_context().gcs_address}"

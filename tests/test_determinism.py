@@ -14,7 +14,7 @@ from pathlib import Path
 
 import launcher
 import pytest
-from helpers import local_ray_for_launches, read_complete_records, read_records
+from helpers import read_complete_records, read_records
 from safetensors.torch import load_file
 
 from asyncrl.cli.audit import audit_run_dir
@@ -233,24 +233,20 @@ def test_a_resume_that_skips_restoring_the_lr_schedule_is_caught(
 RAY = ("rollout.backend=ray", "rollout.num_workers=2")
 
 
-def test_on_ray_a_killed_driver_resumes_bitwise_the_uninterrupted_run(
-    tmp_path_factory, request, tmp_path, repo_root
-):
-    # the uninterrupted run and the killed one's launches join one local Ray (`ray.address`:
-    # each would otherwise start and stop its own, ~7 s); one kill (each launch starts its
-    # workers: seconds): right after step 10's update, a step past the checkpoint of step 9,
-    # with generation for steps 10-11 on the workers; a kill mid-checkpoint is the store's
-    # alone, tested on threads above
-    import ray
+@pytest.fixture(scope="module")
+def ray_reference(tmp_path_factory, request) -> tuple[list[tuple], str]:
+    return uninterrupted(tmp_path_factory, request, RAY)
 
-    on_ray = (*RAY, local_ray_for_launches())
-    try:
-        ray_reference = uninterrupted(tmp_path_factory, request, on_ray)
-        run = tmp_path / "run"
-        run_to_kill(run, repo_root, "train.weights_published[step=10]", on_ray)
-        assert finish(run, repo_root, extra=on_ray) == 0
-    finally:
-        ray.shutdown()
+
+def test_on_ray_a_killed_driver_resumes_bitwise_the_uninterrupted_run(
+    tmp_path, repo_root, ray_reference
+):
+    # one kill (each Ray launch starts a cluster and its workers: seconds): right after step
+    # 10's update, a step past the checkpoint of step 9, with generation for steps 10-11 on the
+    # workers; a kill mid-checkpoint is the store's alone, tested on threads above
+    run = tmp_path / "run"
+    run_to_kill(run, repo_root, "train.weights_published[step=10]", RAY)
+    assert finish(run, repo_root, extra=RAY) == 0
     assert {r["attempt"] for r in read_records(run / "metrics.jsonl")} == {0, 1}
     (resume,) = [e for e in read_records(run / "events.jsonl") if e["event"] == "resume"]
     assert resume["from_step"] == 9

@@ -15,7 +15,7 @@ import launcher
 import pytest
 import ray
 import torch
-from helpers import local_ray_for_launches, read_complete_records, read_records, small_config
+from helpers import read_complete_records, read_records, small_config
 
 from asyncrl.cli.audit import audit_run_dir
 from asyncrl.cli.inspect import inspect_run_dir
@@ -83,9 +83,11 @@ def shared_ray():
     """One local Ray for the in-process tests below (each `train` then joins it instead of
     starting and stopping its own: seconds each). The tests above start their own: one checks
     that a run stops the Ray it started, the other that its workers read the environment it
-    set. Ray is started as `start_ray` starts it; the value is `ray.address=GCS`, for the
-    `asyncrl train` launches that join it."""
-    yield local_ray_for_launches()
+    set. Ray is started as `start_ray` starts it."""
+    from asyncrl.distributed.cluster import start_ray
+
+    assert start_ray(small_config(*RAY))
+    yield
     ray.shutdown()
 
 
@@ -169,13 +171,11 @@ def test_killing_a_worker_actor_mid_run_redispatches_its_batch_and_loses_nothing
     assert set(landed_per_ordinal(run).values()) == {1}  # the dead batch landed nothing
 
 
-def test_a_sigkilled_driver_resumes_on_ray_and_loses_nothing(tmp_path, repo_root, shared_ray):
-    """Both launches join the module's local Ray (`ray.address`), as drivers of a cluster
-    do: the killed one is a dead driver whose actors Ray ends."""
+def test_a_sigkilled_driver_resumes_on_ray_and_loses_nothing(tmp_path, repo_root):
     run = tmp_path / "run"
     command = [sys.executable, "-m", "asyncrl.cli", "train", str(repo_root / "configs/demo.yaml")]
     args = [
-        *command, "--run-dir", str(run), *RAY, shared_ray, "rollout.num_generations_per_prompt=4",
+        *command, "--run-dir", str(run), *RAY, "rollout.num_generations_per_prompt=4",
         "run.max_num_steps=20", "checkpoint.save_period=3", "checkpoint.when_busy=wait",
         "logging.progress=false",
         "logging.plot=false",
