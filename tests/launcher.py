@@ -218,6 +218,11 @@ _vllm_zygote: Zygote | None = None
 _subreaper = False
 
 
+def _hash_seed() -> str:
+    """A zygote's hash seed: the test process's own where it fixed one, else a random one."""
+    return os.environ.get("PYTHONHASHSEED") or str(int.from_bytes(os.urandom(2), "big"))
+
+
 def _become_subreaper() -> None:
     """Makes this process the child subreaper: a launch, once its zygote's middle process has
     exited, is reparented here, so its exit status is ours to read."""
@@ -237,8 +242,7 @@ def _zygote(vllm: bool = False) -> Zygote:
         _become_subreaper()
         if vllm:
             if _vllm_zygote is None:
-                seed = os.environ.get("PYTHONHASHSEED", str(int.from_bytes(os.urandom(2), "big")))
-                _vllm_zygote = Zygote(seed, preload="vllm")
+                _vllm_zygote = Zygote(_hash_seed(), preload="vllm")
             return _vllm_zygote
         if not _zygotes:
             if "PYTHONHASHSEED" in os.environ:  # the test process fixed it: so do its launches
@@ -288,8 +292,7 @@ def _rank_zygote_env() -> dict[str, str]:
             import tempfile
 
             _rank_socket = str(Path(tempfile.mkdtemp(prefix="asyncrl-ranks-z-")) / "sock")
-            seed = str(int.from_bytes(os.urandom(2), "big"))
-            _rank_zygote = Zygote(os.environ.get("PYTHONHASHSEED", seed), listen=_rank_socket)
+            _rank_zygote = Zygote(_hash_seed(), listen=_rank_socket)
     return {SPAWN_VAR: str(Path(__file__).resolve()), RANK_ZYGOTE_VAR: _rank_socket}
 
 

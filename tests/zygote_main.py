@@ -33,11 +33,11 @@ BASE_PATH = [p for p in sys.path if p not in _inherited]
 """`sys.path` as a fresh interpreter has it before its script's folder and PYTHONPATH."""
 
 sys.path.insert(0, HERE)
-from launcher import PRELOAD, STARTUP_VARS, _recv, _send  # noqa: E402
+from launcher import PRELOAD, PRELOAD_VAR, STARTUP_VARS, _recv, _send  # noqa: E402
 
 sys.path.remove(HERE)
 
-_extra = [m for m in os.environ.pop("ASYNCRL_TEST_ZYGOTE_PRELOAD", "").split(",") if m]
+_extra = [m for m in os.environ.pop(PRELOAD_VAR, "").split(",") if m]
 for name in (*PRELOAD, *_extra):  # one not installed here is imported by the launch needing it
     with contextlib.suppress(Exception):
         importlib.import_module(name)
@@ -171,8 +171,8 @@ def serve_listening(control: socket.socket, path: str, test_vars: dict) -> tuple
                 os.close(fd)
             with open(path + ".jsonl", "a") as log:
                 driver = env.get("ASYNCRL_PARENT_PID", "")
-                log.write(json.dumps({"driver": driver, "pid": launch, "waiter": os.getpid()}))
-                log.write("\n")
+                entry = {"driver": driver, "pid": launch, "waiter": os.getpid()}
+                log.write(json.dumps(entry) + "\n")  # one write: a reader sees it whole
             with contextlib.suppress(OSError):
                 _send(conn, {"pid": launch}, [])
             _, status = os.waitpid(launch, 0)
