@@ -60,12 +60,13 @@ rloo-demo: setup
 	$(BIN)/asyncrl train configs/rloo_demo.yaml --run-dir $(call demo_dir,rloo-demo)
 
 # the whole suite, CI's command: a test file to each of TEST_WORKERS processes (pytest-xdist),
-# the slowest 20 tests listed at the end; lint (ruff, mypy: ~85 s of one core on a fresh clone)
+# the slowest files first (tests/conftest.py's SLOWEST_FILES; xdist's own reorder would put the
+# files with the most tests first), the slowest 20 tests listed at the end; lint (ruff, mypy: ~85 s of one core on a fresh clone)
 # runs beside it on the CPU the tests leave idle (its few lines print as it ends)
 TEST_WORKERS ?= 2
 test: setup
 	@$(MAKE) --no-print-directory lint & lint=$$!; \
-	$(BIN)/pytest -q -n $(TEST_WORKERS) --dist loadfile --durations=20; tests=$$?; \
+	$(BIN)/pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder --durations=20; tests=$$?; \
 	wait $$lint; linted=$$?; \
 	if [ $$linted -ne 0 ]; then echo "make lint failed (exit $$linted): see its output above"; fi; \
 	exit $$(( tests != 0 ? tests : linted ))
