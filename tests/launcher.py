@@ -256,7 +256,7 @@ def _zygote(vllm: bool = False) -> Zygote:
 
 def shutdown() -> None:
     """Stops the zygotes (the launches they forked are the test's own to end)."""
-    global _rank_zygote, _vllm_zygote
+    global _vllm_zygote
     with _lock:
         for zygote in _zygotes:
             zygote.close()
@@ -264,10 +264,10 @@ def shutdown() -> None:
         if _vllm_zygote is not None:
             _vllm_zygote.close()
             _vllm_zygote = None
-        if _rank_zygote is not None:
-            _rank_zygote.close()
-            _rank_zygote = None
-            shutil.rmtree(Path(_rank_socket).parent, ignore_errors=True)
+        for zygote, sock in _rank_zygotes.values():
+            zygote.close()
+            shutil.rmtree(Path(sock).parent, ignore_errors=True)
+        _rank_zygotes.clear()
 
 
 # --- the trainer ranks a launch starts ----------------------------------------------------------
@@ -277,35 +277,41 @@ SPAWN_VAR = "ASYNCRL_TEST_SPAWN"
 this file there starts its trainer ranks with `spawn` below instead of `subprocess.Popen`."""
 RANK_ZYGOTE_VAR = "ASYNCRL_TEST_RANK_ZYGOTE"
 """Where `spawn` finds the rank zygote: the path of its listening socket."""
-_rank_zygote: Zygote | None = None
-_rank_socket = ""
+_rank_zygotes: dict[str, tuple[Zygote, str]] = {}
+"""The rank zygotes, by the test process's start-up variables when each started (JSON), with
+their sockets: a zygote answers `fresh` to a launch whose start-up variables differ from the
+ones it started with, and the test process's own may change under it (importing vLLM sets
+`TORCHINDUCTOR_*` and `PYTORCH_*` ones), so a changed set gets a zygote of its own."""
 
 
 def _rank_zygote_env() -> dict[str, str]:
-    """The variables that let a launch's trainer ranks be forked from the rank zygote (started
-    once, on first need): `asyncrl train` with `train.num_processes` > 1 starts each rank > 0
-    as `python -m asyncrl.train.ranks`, a fresh interpreter that imports torch and transformers
-    again (6 s here), unless `ASYNCRL_TEST_SPAWN` names a file whose `spawn` starts it."""
-    global _rank_zygote, _rank_socket
+    """The variables that let a launch's trainer ranks be forked from a rank zygote (started
+    on first need, one for each set of the test process's start-up variables): `asyncrl
+    train` with `train.num_processes` > 1 starts each rank > 0 as `python -m
+    asyncrl.train.ranks`, a fresh interpreter that imports torch and transformers again (6 s
+    here), unless `ASYNCRL_TEST_SPAWN` names a file whose `spawn` starts it."""
+    key = json.dumps(_startup_vars(os.environ), sort_keys=True)
     with _lock:
-        if _rank_zygote is None:
+        if key not in _rank_zygotes:
             import tempfile
 
-            _rank_socket = str(Path(tempfile.mkdtemp(prefix="asyncrl-ranks-z-")) / "sock")
-            _rank_zygote = Zygote(_hash_seed(), listen=_rank_socket)
-    return {SPAWN_VAR: str(Path(__file__).resolve()), RANK_ZYGOTE_VAR: _rank_socket}
+            sock = str(Path(tempfile.mkdtemp(prefix="asyncrl-ranks-z-")) / "sock")
+            _rank_zygotes[key] = (Zygote(_hash_seed(), listen=sock), sock)
+        sock = _rank_zygotes[key][1]
+    return {SPAWN_VAR: str(Path(__file__).resolve()), RANK_ZYGOTE_VAR: sock}
 
 
 def rank_pids(driver: int) -> list[int]:
-    """PIDs of the live processes the rank zygote forked for the launch `driver` (its
+    """PIDs of the live processes the rank zygotes forked for the launch `driver` (its
     `ASYNCRL_PARENT_PID`): a forked process's /proc/PID/environ is the zygote's, so it is found
-    in the zygote's own list, checked against /proc (alive, not a zombie, still its waiter's
+    in the zygotes' own lists, checked against /proc (alive, not a zombie, still its waiter's
     child, so a reused pid is never counted)."""
-    if not _rank_socket or not os.path.exists(_rank_socket + ".jsonl"):
-        return []
+    entries = []
+    for _, sock in list(_rank_zygotes.values()):
+        if os.path.exists(sock + ".jsonl"):
+            with open(sock + ".jsonl") as log:
+                entries += [json.loads(line) for line in log if line.endswith("\n")]
     found = []
-    with open(_rank_socket + ".jsonl") as log:
-        entries = [json.loads(line) for line in log if line.endswith("\n")]
     for entry in entries:
         if entry["driver"] != str(driver):
             continue
@@ -360,6 +366,11 @@ def spawn(args: list[str], env: dict[str, str]) -> Any:
     exit status comes back as a child's would."""
     form = _forkable(args)
     where = env.get(RANK_ZYGOTE_VAR, "")
+    deadline = time.monotonic() + 120  # a zygote still importing binds its socket after
+    while where and os.path.isdir(os.path.dirname(where)) and not os.path.exists(where):
+        if time.monotonic() > deadline:
+            break
+        time.sleep(0.01)
     if form is None or not where or not os.path.exists(where):
         return subprocess.Popen(args, env=env)
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)

@@ -120,3 +120,23 @@ def test_a_rank_forked_for_a_launch_reports_its_exit_status_as_a_child_would(
     assert isinstance(fresh, subprocess.Popen)
     assert fresh.wait(120) == 0
     assert not json.loads(capfd.readouterr().out.strip().splitlines()[-1])["torch_preloaded"]
+
+
+@pytest.mark.skipif(not launcher.ENABLED, reason="ASYNCRL_TEST_NO_ZYGOTE is set")
+def test_ranks_are_still_forked_after_the_test_process_gains_a_start_up_variable(
+    tmp_path, capfd, monkeypatch
+):
+    """Importing vLLM in the test process sets `TORCHINDUCTOR_*` and `PYTORCH_*` variables; a
+    rank zygote started before would answer every later launch `fresh` (seen: this file's first
+    test failed when it ran after the vLLM tests in the same worker). A changed set of the test
+    process's start-up variables gets a rank zygote of its own."""
+    monkeypatch.chdir(tmp_path)
+    launcher._rank_zygote_env()  # a zygote started with the variables as they are
+    monkeypatch.setenv("TORCHINDUCTOR_COMPILE_THREADS", "1")  # what `import vllm` does
+    env = {**os.environ, **launcher._rank_zygote_env(), "PROBE": "rank"}
+    env["ASYNCRL_PARENT_PID"] = str(os.getpid())
+    done = launcher.spawn([sys.executable, str(PROBE), "0", str(tmp_path / "atexit")], env)
+    assert isinstance(done, launcher.Waited), "answered fresh: started with other variables"
+    assert done.wait(120) == 0
+    seen = json.loads(capfd.readouterr().out.strip().splitlines()[-1])
+    assert seen["torch_preloaded"] and seen["probe"] == "rank"
