@@ -10,8 +10,8 @@ timeout, from files or PIP_* variables) are handed to it as its own options, and
 among them is pip's (`--index-strategy unsafe-best-match`: the best version across every
 source). Bytecode is compiled at install (`--compile-bytecode`, as pip does): where
 PYTHONDONTWRITEBYTECODE is set, as on this machine, Python never writes it later, and the
-suite's imports took 22 s instead of 9 s. Where uv cannot be had, or fails, the same commands run through pip, so a machine
-without uv still sets up, only slower.
+suite's imports took 22 s instead of 9 s. Where uv cannot be had, or fails, the same commands
+run through pip, so a machine without uv still sets up, only slower.
 
 Each step, in order (the Makefile's comments say why each list is installed as it is):
 
