@@ -45,3 +45,46 @@ def test_a_model_without_groups_keeps_sdpa():
     model = tiny(kv_heads=4)
     assert not use_grouped_sdpa(model)
     assert model.config._attn_implementation == "sdpa"
+
+
+def test_a_pass_that_trains_takes_the_grouped_products_and_gives_eagers_gradients(monkeypatch):
+    """With a graph (training), asyncrl_sdpa runs `grouped_matmul_attention`: its logits and
+    every parameter's gradient match transformers' own eager attention (which copies the KV
+    heads: an independent implementation) over left-padded rows, in fp32 and under bf16
+    autocast; a pass without a graph still takes the fused kernel."""
+    from asyncrl.models import attention
+
+    calls = []
+    products = attention.grouped_matmul_attention
+
+    def counted(*args, **kwargs):
+        calls.append(args[0].requires_grad)
+        return products(*args, **kwargs)
+
+    monkeypatch.setattr(attention, "grouped_matmul_attention", counted)
+    ids, mask = left_pad([[1, 2, 3, 4, 5], [6, 7], [8, 9, 10]], pad_id=0)
+    inputs = {"input_ids": ids, "attention_mask": mask, "position_ids": position_ids(mask)}
+    real = mask.bool()
+
+    def run(implementation: str, dtype: torch.dtype | None):
+        model = tiny(kv_heads=2).train()
+        model.set_attn_implementation(implementation)
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=dtype is not None):
+            logits = model(**inputs).logits.float()
+        logits[real].logsumexp(-1).sum().backward()
+        return logits[real], {n: p.grad for n, p in model.named_parameters()}
+
+    for dtype, tol in ((None, 1e-5), (torch.bfloat16, 2e-2)):
+        calls.clear()
+        got, got_grads = run(NAME, dtype)
+        assert calls and all(calls), "the training pass did not take the grouped products"
+        want, want_grads = run("eager", dtype)
+        torch.testing.assert_close(got, want, rtol=tol, atol=tol)
+        for name, grad in want_grads.items():
+            torch.testing.assert_close(got_grads[name], grad, rtol=tol, atol=tol, msg=name)
+    calls.clear()
+    with torch.no_grad():
+        model = tiny(kv_heads=2)
+        model.set_attn_implementation(NAME)
+        model(**inputs)
+    assert not calls  # no graph: the fused kernel

@@ -15,6 +15,14 @@ read the same keys either way; checked in tests/test_attention.py), the backward
 value gradients equal it up to the order their groups are summed. Anything else (a GPU, a
 model without groups, a paged cache, a position bias, a causal pass over a longer cache) goes
 to transformers' own `sdpa` unchanged.
+
+A pass that builds a graph (training: grad enabled and the query requires it) takes
+`grouped_matmul_attention` instead: the same function as two batched products with the groups
+folded into the query rows, so no KV head is copied either, and a softmax in fp32. torch's
+CPU `scaled_dot_product_attention` has a backward that costs ten times its forward: in a
+SmolLM2 training step (4 micro-batches of 8 rows, bf16 autocast, 2026-12-05, an Intel Xeon
+with AMX) it took 3.1 s of 15.3 s, for 0.3 s of forward. Generation, evaluation and the
+reference policy (no graph) keep the fused kernel.
 """
 
 from __future__ import annotations
@@ -58,6 +66,8 @@ def grouped_sdpa_forward(
         return sdpa_attention_forward(
             module, query, key, value, attention_mask, dropout, scaling, is_causal, **kwargs
         )
+    if torch.is_grad_enabled() and query.requires_grad:
+        return grouped_matmul_attention(query, key, value, attention_mask, dropout, scaling, causal)
     out = torch.nn.functional.scaled_dot_product_attention(
         query,
         key,
@@ -68,6 +78,46 @@ def grouped_sdpa_forward(
         is_causal=causal,
         enable_gqa=True,
     )
+    return out.transpose(1, 2).contiguous(), None
+
+
+def grouped_matmul_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    dropout: float,
+    scaling: float | None,
+    causal: bool,
+) -> tuple[torch.Tensor, None]:
+    """Attention of [B, H, Q, D] queries over [B, K, L, D] keys and values as two batched
+    products, each KV head's G = H / K query heads stacked into one [G * Q, D] block (no KV
+    head copied), the softmax in fp32 (as transformers' eager attention). `attention_mask`:
+    sdpa's, boolean (True attends) or additive, [B or 1, 1, Q, L]. A query row that may attend
+    to nothing (a left pad) gets a uniform average, never NaN (its output is never used)."""
+    batch, heads, q_length, dim = query.shape
+    kv_heads, kv_length = key.shape[1], key.shape[2]
+    groups = heads // kv_heads
+    scale = scaling if scaling is not None else dim**-0.5
+    stacked = query.reshape(batch, kv_heads, groups * q_length, dim)
+    scores = torch.matmul(stacked, key.transpose(-1, -2)).view(
+        batch, kv_heads, groups, q_length, kv_length
+    )
+    scores = scores.float() * scale
+    if causal:
+        attention_mask = torch.ones(q_length, kv_length, dtype=torch.bool, device=query.device)
+        attention_mask = attention_mask.tril(kv_length - q_length)[None, None]
+    if attention_mask is not None:
+        mask = attention_mask.unsqueeze(2)  # [B, 1, 1, Q, L]: every KV head, every group
+        if mask.dtype == torch.bool:
+            scores = scores.masked_fill(~mask, torch.finfo(scores.dtype).min)
+        else:
+            scores = scores + mask.float()
+    probs = torch.softmax(scores, dim=-1).to(value.dtype)
+    if dropout > 0:
+        probs = torch.nn.functional.dropout(probs, p=dropout, training=True)
+    out = torch.matmul(probs.view(batch, kv_heads, groups * q_length, kv_length), value)
+    out = out.view(batch, heads, q_length, dim)
     return out.transpose(1, 2).contiguous(), None
 
 
