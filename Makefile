@@ -8,7 +8,7 @@ RUN_DIR ?= runs/demo-$(NOW)
 # a demo's run dir: RUN_DIR when given (command line or environment), else runs/NAME-TIME
 demo_dir = $(if $(filter command line environment,$(origin RUN_DIR)),$(RUN_DIR),runs/$(1)-$(NOW))
 
-.PHONY: setup demo math-demo smol-demo multi-turn-demo calculator-demo ppo-demo rloo-demo test test-fast lint bench bench-algos bench-ray bench-scale bench-lora bench-lora-curve bench-vllm-lora bench-deferral bench-reward bench-engines bench-records bench-rank-messages bench-smol bench-floor gpu-check chaos docs clean
+.PHONY: setup demo math-demo smol-demo multi-turn-demo calculator-demo ppo-demo rloo-demo test test-fast lint bench bench-algos bench-ray bench-scale bench-lora bench-lora-curve bench-vllm-lora bench-deferral bench-reward bench-engines bench-records bench-rank-messages bench-smol bench-floor bench-attention gpu-check chaos docs clean
 
 setup: $(STAMP)
 
@@ -112,6 +112,11 @@ bench-smol: setup
 # of configs/smol_math.yaml, then `floor: train_x=A gen_x=B step_s=S floor_s=F dtype=D cpu=FLAGS`
 bench-floor: setup
 	$(BIN)/python benchmarks/floor.py
+
+# the real model's training step with the fused attention kernel and with grouped products
+# (what training passes run), alternated in one process
+bench-attention: setup
+	$(BIN)/python benchmarks/attention_step.py
 
 # the one prepared check for a CUDA machine (no setup: such a machine may have no network; it
 # runs on the python that has torch, .venv's where there is one); CPU fallback elsewhere
