@@ -13,7 +13,8 @@ with avx512_bf16 or AMX) on one thread, as each side of the run gets.
 Two ways for the attention of a pass that builds a graph, alternated `--rounds` times in this
 one process after one warm step each:
 
-- `fused`: torch's `scaled_dot_product_attention` (with `enable_gqa`), as before 2026-12-05;
+- `fused`: `grouped_fused_attention`, torch's `scaled_dot_product_attention` (with
+  `enable_gqa`): what training passes ran before 2026-12-05, and passes without a graph run;
 - `grouped`: `asyncrl.models.attention.grouped_matmul_attention`, what training runs now.
 
 Prints each step's seconds, then, last:
@@ -42,23 +43,6 @@ ROOT = Path(__file__).resolve().parents[1]
 MODEL = ROOT / "data/smol_math/model"
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from floor import cpu_flags  # noqa: E402
-
-
-def fused(
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    mask: torch.Tensor | None,
-    dropout: float,
-    scaling: float | None,
-    causal: bool,
-) -> tuple[torch.Tensor, None]:
-    """The fused kernel for a training pass, as asyncrl_sdpa ran it before."""
-    out = torch.nn.functional.scaled_dot_product_attention(
-        query, key, value, attn_mask=mask, dropout_p=dropout, scale=scaling,
-        is_causal=causal, enable_gqa=True,
-    )  # fmt: skip
-    return out.transpose(1, 2).contiguous(), None
 
 
 def make_step(model: Any, dtype: torch.dtype) -> Any:
@@ -105,7 +89,7 @@ def main(argv: list[str] | None = None) -> None:
     grouped_fn = attention.grouped_matmul_attention
     best: dict[str, float] = {}
     for round_ in range(args.rounds):
-        for name, fn in (("fused", fused), ("grouped", grouped_fn)):
+        for name, fn in (("fused", attention.grouped_fused_attention), ("grouped", grouped_fn)):
             attention.grouped_matmul_attention = fn  # type: ignore[assignment]
             step()  # warm
             seconds = step()

@@ -367,9 +367,8 @@ def spawn(args: list[str], env: dict[str, str]) -> Any:
     form = _forkable(args)
     where = env.get(RANK_ZYGOTE_VAR, "")
     deadline = time.monotonic() + 120  # a zygote still importing binds its socket after
-    while where and os.path.isdir(os.path.dirname(where)) and not os.path.exists(where):
-        if time.monotonic() > deadline:
-            break
+    starting = where and os.path.isdir(os.path.dirname(where))
+    while starting and not os.path.exists(where) and time.monotonic() < deadline:
         time.sleep(0.01)
     if form is None or not where or not os.path.exists(where):
         return subprocess.Popen(args, env=env)

@@ -91,21 +91,16 @@ def test_a_pass_that_trains_takes_the_grouped_products_and_gives_eagers_gradient
 
 
 def test_the_attention_benchmark_compares_the_same_function():
-    """benchmarks/attention_step.py times its `fused` kernel against grouped_matmul_attention:
-    the two give the same attention (so the benchmark compares speed, not different math)."""
-    import sys
-    from pathlib import Path
-
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-    from attention_step import fused
-
-    from asyncrl.models.attention import grouped_matmul_attention
+    """benchmarks/attention_step.py times the fused kernel (`grouped_fused_attention`, what
+    passes without a graph run) against grouped_matmul_attention: the two give the same
+    attention (so the benchmark compares speed, not different math)."""
+    from asyncrl.models.attention import grouped_fused_attention, grouped_matmul_attention
 
     torch.manual_seed(0)
     query, key, value = torch.randn(2, 6, 5, 8), torch.randn(2, 3, 9, 8), torch.randn(2, 3, 9, 8)
     mask = torch.ones(2, 1, 5, 9, dtype=torch.bool).tril(4)
     mask[1, :, :, :3] = False  # a left-padded row
     for args in ((mask, 0.0, None, False), (None, 0.0, 0.3, False)):
-        want, _ = fused(query, key, value, *args)
+        want, _ = grouped_fused_attention(query, key, value, *args)
         got, _ = grouped_matmul_attention(query, key, value, *args)
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)

@@ -68,6 +68,20 @@ def grouped_sdpa_forward(
         )
     if torch.is_grad_enabled() and query.requires_grad:
         return grouped_matmul_attention(query, key, value, attention_mask, dropout, scaling, causal)
+    return grouped_fused_attention(query, key, value, attention_mask, dropout, scaling, causal)
+
+
+def grouped_fused_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    dropout: float,
+    scaling: float | None,
+    causal: bool,
+) -> tuple[torch.Tensor, None]:
+    """`grouped_matmul_attention`'s function through torch's fused kernel
+    (`scaled_dot_product_attention` with `enable_gqa`): passes without a graph."""
     out = torch.nn.functional.scaled_dot_product_attention(
         query,
         key,
