@@ -35,7 +35,11 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
-CUT_FACTS = ("step", "in_flight", "buffered", "partial_tokens", "finished_in_flight")
+from asyncrl.core.episodes import recorded_steps
+
+CUT_FACTS = (
+    "step", "in_flight", "buffered", "partial_tokens", "finished_in_flight", "episode_steps",
+)  # fmt: skip
 """What a checkpoint write knows of its cut: its step, the ordinals in flight and the groups
 buffered in it, the tokens of its partial samples, and its finished samples of groups still in
 flight (`cut_facts`)."""
@@ -187,4 +191,5 @@ def cut_facts(states: dict[str, Any]) -> dict[str, int]:
         "buffered": len(states["buffer"]["groups"]),
         "partial_tokens": sum(int(p["mask"].sum()) for p in partials),
         "finished_in_flight": sum(int(p["finished"].sum()) for p in partials),
+        "episode_steps": len(recorded_steps(ledger)),
     }

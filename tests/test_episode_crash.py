@@ -45,8 +45,9 @@ BASE = [
     "logging.plot=false",
 ]
 DETERMINISTIC = ["run.deterministic=true"]
-IN_FLIGHT = "checkpoint.parent_fsynced[partial_tokens]"
-"""A durable checkpoint whose cut holds episodes in flight (their samples so far)."""
+IN_FLIGHT = "checkpoint.parent_fsynced[episode_steps]"
+"""A durable checkpoint whose cut holds episodes in flight with environment steps taken
+(partial tokens alone may be first turns, with no step recorded yet)."""
 
 
 def launch(

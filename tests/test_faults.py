@@ -106,7 +106,16 @@ def test_the_facts_of_a_cut_are_read_off_the_ledger_and_buffer_states():
     states = {
         "ledger": {
             "in_flight": [[5, 1], [6, 1], [7, 1]],
-            "partial": {5: {"mask": mask, "finished": torch.tensor([False, True])}},
+            "partial": {
+                5: {
+                    "mask": mask,
+                    "finished": torch.tensor([False, True]),
+                    "episodes": [
+                        {"turns": [{"step_id": "5:0:0"}, {"step_id": "5:0:1"}]},
+                        {"turns": []},
+                    ],
+                }
+            },
         },
         "buffer": {"groups": [{}, {}]},
     }
@@ -115,4 +124,5 @@ def test_the_facts_of_a_cut_are_read_off_the_ledger_and_buffer_states():
         "buffered": 2,
         "partial_tokens": 5,
         "finished_in_flight": 1,
+        "episode_steps": 2,
     }
