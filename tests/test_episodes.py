@@ -353,3 +353,78 @@ def test_ppo_trains_on_episodes_and_micro_batches_give_the_one_pass_gradients():
     parts, part_metrics = step_gradients(groups, [*ppo, "train.micro_batch_size=5"])
     assert worst_relative_error(whole, parts) <= 1e-5
     assert part_metrics["value_loss"] == pytest.approx(metrics["value_loss"], rel=1e-5)
+
+
+# --- an episode ended by a limit is ended (issue 44, defect 1)
+
+
+class HalfPoint:
+    """Never says done; each step is worth 0.5 and is counted, by step id."""
+
+    restore = "replay"
+    alphabet = ""
+    steps: list[str] = []
+
+    def reset(self, example, seed):
+        return [{"role": "user", "content": "1-5="}]
+
+    def step(self, assistant_text, step_id):
+        HalfPoint.steps.append(step_id)
+        return [{"role": "user", "content": "+"}], 0.5, False
+
+    def replay(self, turns):
+        pass
+
+
+@pytest.mark.parametrize("limit", ["max_turns", "max_episode_tokens"])
+def test_an_episode_ended_by_a_limit_is_not_stepped_again_while_a_sibling_generates(limit):
+    """Sample 0's turn ends in the first pass and its only allowed step ends the episode (one
+    turn, or no room for another); sample 1 keeps generating for two more passes. Before the
+    fix, every later pass stepped sample 0 again under a new id: 0:0:0, 0:0:1, 0:0:2, reward
+    1.5 instead of 0.5."""
+    from asyncrl.models.policy import load_policy
+    from asyncrl.rollout.episodes import EpisodeRunner
+    from asyncrl.core.types import PromptTicket
+    from asyncrl.tasks.games import guess_number_examples
+
+    policy = load_policy(small_config().model, 0, set("0123456789=-+"))
+    max_turns, max_tokens = (1, 64) if limit == "max_turns" else (4, 3)
+    runner = EpisodeRunner(
+        HalfPoint, "half_point", guess_number_examples(4, 0), policy.tokenizer,
+        policy.eos_id, 0, max_turns, 2, max_tokens,
+    )  # fmt: skip
+    HalfPoint.steps = []
+    ticket = PromptTicket(0, 0, 0, 0, 0)
+    partial = runner.start(ticket, 2)
+    digit = policy.tokenizer.convert_tokens_to_ids("3")
+    # per pass (tokens, mask, finished): sample 0 ends its turn in the first pass; sample 1
+    # generates on and ends its own turn in the third
+    d, eos = digit, policy.eos_id
+    passes = [
+        ([[d, eos], [d, d]], [[True, True], [True, True]], [True, False]),
+        ([[0], [d]], [[False], [True]], [False, False]),
+        ([[0], [eos]], [[False], [True]], [False, True]),
+    ]
+    saved = []
+    for tokens, mask, finished in passes:
+        t = torch.tensor(tokens)
+        partial = partial.extend(
+            t, torch.tensor(mask), torch.zeros(t.shape), 0, torch.tensor(finished)
+        )
+        partial = runner.advance(ticket, partial)
+        saved.append(partial.state_dict())
+    assert [s for s in HalfPoint.steps if s.startswith("0:1:")] == ["0:1:0"]
+    HalfPoint.steps = [s for s in HalfPoint.steps if s.startswith("0:0:")]
+    assert HalfPoint.steps == ["0:0:0"], HalfPoint.steps
+    assert partial.episodes[0].ended and not partial.episodes[0].done
+    assert bool(partial.finished[0])
+    assert runner.scores(partial).rewards[0] == pytest.approx(0.5)
+    # saved and read back (and as a format-5 state without the field), still ended
+    back = Partial.from_state(partial.state_dict())
+    assert back.episodes[0].ended
+    for state in saved:  # as states of an older version, without the field: the same
+        old = {**state, "episodes": [{k: v for k, v in e.items() if k != "ended"}
+                                     for e in state["episodes"]]}  # fmt: skip
+        read = [e.ended for e in Partial.from_state(old).episodes]
+        assert read == [e["ended"] for e in state["episodes"]]
+    assert [e["ended"] for e in saved[1]["episodes"]] == [True, False]  # 1 is mid-turn

@@ -75,7 +75,7 @@ def _saved_ledger(
             {
                 "turns": len(e["turns"]),
                 "tokens": samples[int(k)]["lengths"][i],
-                "done": bool(e["done"]),
+                "done": bool(e.get("ended", e["done"])),
                 "step_ids": [t["step_id"] for t in e["turns"]],
                 "env_state_saved": e.get("env_state") is not None,
             }

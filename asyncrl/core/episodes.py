@@ -45,10 +45,17 @@ class Episode:
     """Each completed turn: `{"text", "step_id", "messages", "reward", "done", "start",
     "end"}` (the assistant tokens of the turn are `[start, end)` of the sample)."""
     done: bool = False
+    """The environment said the episode is done (its last step's `done`)."""
     env_state: Any = None
     """A `restorable` environment's `state_dict()` after the last step (JSON and tensors)."""
     restarts: int = 0
     """How many times a resume started this episode over (`restart` environments)."""
+    ended: bool = False
+    """The episode is over: its environment said `done`, or a limit (`env.max_turns`, no room
+    left under `env.max_episode_tokens`) ended it after the step that answered its last turn.
+    An ended episode is never stepped again. Three states, kept apart: a *turn* ended
+    (`Partial.finished` after an engine pass: EOS or the turn's token limit, its step not yet
+    asked), the environment said *done* (`done`), the *episode* ended (this)."""
 
     @property
     def reward(self) -> float:
@@ -85,7 +92,9 @@ class Episode:
             "start": start,
             "end": end,
         }
-        return replace(self, turns=(*self.turns, turn), done=done, env_state=env_state)
+        return replace(
+            self, turns=(*self.turns, turn), done=done, env_state=env_state, ended=done
+        )
 
     def history(self) -> list[Message]:
         """Every message so far: the opening, then each turn's assistant text and replies."""
@@ -103,10 +112,20 @@ class Episode:
             "done": self.done,
             "env_state": self.env_state,
             "restarts": self.restarts,
+            "ended": self.ended,
         }
 
     @classmethod
-    def from_state(cls, state: dict[str, Any]) -> Episode:
+    def from_state(cls, state: dict[str, Any], finished: bool = False, length: int = -1) -> Episode:
+        """The episode of a saved state. A state saved before `ended` existed (formats up to
+        5) did not record a limit's end: its episode ended if its sample is `finished` at
+        `length` tokens and its last turn, already stepped, ends there."""
+        turns = state["turns"]
+        ended = state.get("ended")
+        if ended is None:
+            ended = bool(state["done"]) or (
+                finished and bool(turns) and int(turns[-1]["end"]) == length
+            )
         return cls(
             opening=tuple(dict(m) for m in state["opening"]),
             turn_start=int(state["turn_start"]),
@@ -114,4 +133,5 @@ class Episode:
             done=bool(state["done"]),
             env_state=state.get("env_state"),
             restarts=int(state.get("restarts", 0)),
+            ended=bool(ended),
         )

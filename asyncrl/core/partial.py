@@ -34,8 +34,9 @@ class Partial:
     limits: torch.Tensor | None = None
     """[G] int64: per sample, the length at which the current turn must stop (episodes)."""
     episodes: tuple[Episode, ...] | None = None
-    """Per sample, its episode so far (multi-turn: `env.name`); a sample is `finished` only
-    when its episode is done."""
+    """Per sample, its episode so far (multi-turn: `env.name`). Between engine passes a sample
+    is `finished` only when its episode has ended (`Episode.ended`); right after a pass,
+    `finished` also marks a turn that ended and awaits its environment step."""
 
     @classmethod
     def empty(cls, num_samples: int) -> Partial:
@@ -212,13 +213,20 @@ class Partial:
     @classmethod
     def from_state(cls, state: dict[str, Any]) -> Partial:
         episodes = state.get("episodes")
+        finished = torch.as_tensor(state["finished"])
+        lengths = [int(n) for n in torch.as_tensor(state["mask"]).sum(dim=1)]
         return cls(
             torch.as_tensor(state["tokens"]),
             torch.as_tensor(state["mask"]),
             torch.as_tensor(state["logprobs"]),
             torch.as_tensor(state["versions"]),
-            torch.as_tensor(state["finished"]),
+            finished,
             policy=torch.as_tensor(state["policy"]) if "policy" in state else None,
             limits=torch.as_tensor(state["limits"]) if "limits" in state else None,
-            episodes=None if episodes is None else tuple(Episode.from_state(e) for e in episodes),
+            episodes=None
+            if episodes is None
+            else tuple(
+                Episode.from_state(e, bool(finished[i]), lengths[i])
+                for i, e in enumerate(episodes)
+            ),
         )

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Sequence
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -103,7 +104,7 @@ class EpisodeRunner:
         episodes = partial.episodes
         for i, episode in enumerate(episodes):
             env, _ = self._new_env(ticket, i)  # live ones may be past the saved state
-            if episode.done or not (episode.turns or partial.lengths[i]):
+            if episode.ended or not (episode.turns or partial.lengths[i]):
                 continue
             if "env_state" in SKIP_RESTORE:  # a test switch: the trainer reports it
                 continue
@@ -122,10 +123,12 @@ class EpisodeRunner:
 
     def advance(self, ticket: PromptTicket, partial: Partial) -> Partial:
         """Every sample whose assistant turn just ended gets its environment's step: the
-        reply appended and the next turn opened, or its episode ended."""
+        reply appended and the next turn opened, or its episode ended. An ended episode (the
+        environment's done or a limit) is finished and never stepped again, however many
+        passes its siblings still take."""
         assert partial.episodes is not None
         for i, episode in enumerate(partial.episodes):
-            if not bool(partial.finished[i]) or episode.done:
+            if not bool(partial.finished[i]) or episode.ended:
                 continue
             partial = self._step(ticket, partial, i, episode)
         return partial
@@ -168,7 +171,7 @@ class EpisodeRunner:
             reply = self._reply_ids(episode, messages, ended_with_eos)
         room = self.max_episode_tokens - length - len(reply)
         if episode.done or episode.num_turns >= self.max_turns or room < 1:
-            return partial.with_episode(i, episode, finished=True)
+            return partial.with_episode(i, replace(episode, ended=True), finished=True)
         opened = Episode(
             episode.opening, length + len(reply), episode.turns, False, state, episode.restarts
         )
