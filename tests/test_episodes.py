@@ -428,3 +428,63 @@ def test_an_episode_ended_by_a_limit_is_not_stepped_again_while_a_sibling_genera
         read = [e.ended for e in Partial.from_state(old).episodes]
         assert read == [e["ended"] for e in state["episodes"]]
     assert [e["ended"] for e in saved[1]["episodes"]] == [True, False]  # 1 is mid-turn
+
+
+class Counter:
+    """Restorable; its state is one list it changes in place at every step."""
+
+    restore = "restorable"
+    alphabet = ""
+    bad_state = False
+    bad_load = False
+
+    def __init__(self):
+        self.seen = []
+
+    def reset(self, example, seed):
+        return [{"role": "user", "content": "1-5="}]
+
+    def step(self, assistant_text, step_id):
+        self.seen.append(step_id)
+        return [{"role": "user", "content": "+"}], 0.5, False
+
+    def state_dict(self):
+        return {"seen": {1, 2}} if Counter.bad_state else {"seen": self.seen}
+
+    def load_state_dict(self, state):
+        if Counter.bad_load:
+            raise KeyError("seen")
+        self.seen = list(state["seen"])
+
+
+def one_turn_each(runner, partial, ticket, eos):
+    """One pass in which every sample ends its turn with one token, then the steps."""
+    t = torch.full((partial.num_samples, 1), eos)
+    ones = torch.ones_like(t, dtype=torch.bool)
+    partial = partial.extend(t, ones, torch.zeros(t.shape), 0, ones[:, 0])
+    return runner.advance(ticket, partial)
+
+
+def test_a_restorable_state_is_copied_and_checked_when_its_step_returns(monkeypatch):
+    from asyncrl.core.types import PromptTicket
+    from asyncrl.models.policy import load_policy
+    from asyncrl.rollout.episodes import EpisodeRunner
+    from asyncrl.tasks.games import guess_number_examples
+
+    policy = load_policy(small_config().model, 0, set("0123456789=-+"))
+    runner = EpisodeRunner(Counter, "counter", guess_number_examples(4, 0), policy.tokenizer,
+                           policy.eos_id, 0, 4, 2, 64)  # fmt: skip
+    ticket = PromptTicket(0, 0, 0, 0, 0)
+    partial = one_turn_each(runner, runner.start(ticket, 1), ticket, policy.eos_id)
+    partial = one_turn_each(runner, partial, ticket, policy.eos_id)
+    # each turn's saved state is the one after its own step, not the live list
+    assert partial.episodes[0].env_state == {"seen": ["0:0:0", "0:0:1"]}
+    assert runner._envs[(0, 0)].seen is not partial.episodes[0].env_state["seen"]
+    monkeypatch.setattr(Counter, "bad_state", True)
+    with pytest.raises(EpisodeError, match=r"env.name=counter: state_dict\(\) after step 0:0:2"):
+        one_turn_each(runner, partial, ticket, policy.eos_id)
+    monkeypatch.setattr(Counter, "bad_state", False)
+    monkeypatch.setattr(Counter, "bad_load", True)
+    with pytest.raises(EpisodeError, match=r"counter: load_state_dict\(\) for ordinal 0 sample 0 "
+                                           r"after step 0:0:1 raised KeyError"):  # fmt: skip
+        runner.resume(ticket, partial)

@@ -12,6 +12,7 @@ resume as the environment's `restore` kind says.
 
 from __future__ import annotations
 
+import copy
 import json
 from collections.abc import Sequence
 from dataclasses import replace
@@ -22,6 +23,7 @@ import torch
 from transformers import PreTrainedTokenizerBase
 
 from asyncrl.checkpoint.restore import SKIP_RESTORE
+from asyncrl.checkpoint.snapshot import flatten_part
 from asyncrl.core.episodes import Episode, Message, step_id
 from asyncrl.core.partial import Partial
 from asyncrl.core.seeds import derived_seed
@@ -108,12 +110,13 @@ class EpisodeRunner:
                 continue
             if "env_state" in SKIP_RESTORE:  # a test switch: the trainer reports it
                 continue
+            where = f"ordinal {ticket.ordinal} sample {i} after step {_last_step(episode)}"
             if kind == "restorable" and episode.turns:
-                env.load_state_dict(episode.env_state)
+                self._call(env.load_state_dict, "load_state_dict", where, episode.env_state)
             elif kind == "replay" and episode.turns:
                 turns = [Turn(t["text"], t["step_id"], t["messages"], t["reward"], t["done"])
                          for t in episode.turns]  # fmt: skip
-                env.replay(turns)
+                self._call(env.replay, "replay", where, turns)
             elif kind == "restart":  # counted in the resume plan
                 fresh = Episode(episode.opening, restarts=episode.restarts + 1)
                 limit = fresh.limit(self.max_new_tokens, self.max_episode_tokens)
@@ -162,7 +165,7 @@ class EpisodeRunner:
         except Exception as err:
             raise EpisodeError(f"env.name={self.env_name}: step {sid} raised {err!r}") from err
         _check_messages(messages, f"env.name={self.env_name}: step {sid}")
-        state = env.state_dict() if self.env_class.restore == "restorable" else None
+        state = self._state(env, sid) if self.env_class.restore == "restorable" else None
         episode = episode.after_step(
             text, sid, episode.turn_start, length, messages, reward, bool(done), state
         )
@@ -178,6 +181,32 @@ class EpisodeRunner:
         limit = opened.limit(self.max_new_tokens, self.max_episode_tokens)
         return partial.with_reply(i, reply, limit, opened)
 
+    def _call(self, method: Any, name: str, where: str, *args: Any) -> Any:
+        """An environment's method, its failure an `EpisodeError` naming `env.name`, the
+        method and where."""
+        try:
+            return method(*args)
+        except Exception as err:
+            raise EpisodeError(
+                f"env.name={self.env_name}: {name}() for {where} raised {err!r}"
+            ) from err
+
+    def _state(self, env: Any, sid: str) -> Any:
+        """A `restorable` environment's state after step `sid`: copied now (the environment
+        may change its own objects at later steps, and the checkpoint holds the state of this
+        one) and checked now that a checkpoint can hold it (JSON values and tensors), so a
+        failure names this step, not a checkpoint steps later."""
+        state = self._call(env.state_dict, "state_dict", f"step {sid}")
+        try:
+            json.dumps(flatten_part("env_state", state, {}))
+            return copy.deepcopy(state)
+        except (TypeError, ValueError, RecursionError) as err:
+            raise EpisodeError(
+                f"env.name={self.env_name}: state_dict() after step {sid} returned what a "
+                f"checkpoint cannot hold ({err}); return JSON values (dict, list, str, number, "
+                "bool, None) and torch tensors"
+            ) from err
+
     def _log_step(self, sid: str) -> None:
         """Appends the step to the steps log (flushed: a SIGKILL loses at most a torn line)."""
         if self.steps_log is None:
@@ -190,10 +219,11 @@ class EpisodeRunner:
 
     def _new_env(self, ticket: PromptTicket, sample: int) -> tuple[Any, list[Message]]:
         """A fresh environment for one sample's episode, reset, and its opening messages."""
-        env = self.env_class()
-        if self.workdir is not None and callable(getattr(env, "set_workdir", None)):
-            env.set_workdir(self.workdir)  # type: ignore[attr-defined]
         example = self.examples[ticket.dataset_index]
+        where = f"ordinal {ticket.ordinal} ({example.origin}) sample {sample}"
+        env = self._call(self.env_class, "the constructor", where)
+        if self.workdir is not None and callable(getattr(env, "set_workdir", None)):
+            self._call(env.set_workdir, "set_workdir", where, self.workdir)
         try:
             opening = env.reset(example, env_seed(self.seed, ticket.ordinal, sample))
         except Exception as err:
@@ -276,6 +306,10 @@ def turn_end_id(tokenizer: PreTrainedTokenizerBase, eos_id: int) -> int:
     if ids and int(ids[0]) in added:  # a token of its own, not text
         return int(ids[0])
     return eos_id
+
+
+def _last_step(episode: Episode) -> str:
+    return str(episode.turns[-1]["step_id"]) if episode.turns else "none"
 
 
 def _check_messages(messages: Any, where: str) -> None:
