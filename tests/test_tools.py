@@ -141,3 +141,32 @@ def test_chat_episodes_are_the_chat_templates_tokens_turn_by_turn(chat_files, tm
     batch = stack_groups(groups, parts.policy.pad_id)
     assert torch.equal(batch["token_mask"][0, : groups[0].completion_mask.shape[1]],
                        groups[0].completion_mask[0])  # fmt: skip
+
+
+def test_audit_counts_repeated_steps_against_the_resume_and_turns_against_max_turns(tmp_path):
+    """I9 exactly: a resume that declared 1 repeat may ask for 1 recorded step again, not 2;
+    an episode's turns stay below env.max_turns (step ids count turns from 0)."""
+    from asyncrl.cli.audit import AuditReport, _audit_steps
+
+    def write(name, rows):
+        (tmp_path / name).write_text("".join(json.dumps(r) + "\n" for r in rows))
+
+    steps = [{"step_id": s, "attempt": 0} for s in ("0:0:0", "0:0:1", "0:1:0")]
+    events = [
+        {"event": "checkpoint", "step": 1, "recorded_steps": ["0:0:0", "0:0:1", "0:1:0"]},
+        {"event": "resume", "attempt": 1, "from_step": 1, "tool_calls_repeated": 1},
+    ]
+    write("events.jsonl", events)
+
+    def audit(again, max_turns=2):
+        write("env_steps.jsonl", steps + [{"step_id": s, "attempt": 1} for s in again])
+        report = AuditReport(2, 8, 1)
+        _audit_steps(tmp_path, report, max_turns)
+        return report.violations
+
+    assert audit(["0:1:0"]) == []
+    (found,) = audit(["0:1:0", "0:0:0"])  # one more than the resume declared
+    assert found.startswith("I9: attempt 1 asked again for 2") and "declared 1" in found
+    assert audit(["0:1:0"], max_turns=3) == []
+    (found,) = audit(["0:1:0", "0:1:1", "0:1:2"], max_turns=2)  # turn 2 is a third turn
+    assert "past env.max_turns=2" in found and found.endswith("0:1")

@@ -10,7 +10,9 @@
   its attempt): no step a checkpoint recorded (its `checkpoint` event's `recorded_steps`) is
   asked for again by the attempt that resumed from it unless that resume declared it
   (`tool_calls_repeated`, as `restart_episode` does); each episode's steps are its turns 0,
-  1, 2, ... without a gap; and in the environments' own journals (`RUN_DIR/env/*.jsonl`, a
+  1, 2, ... without a gap, each below `env.max_turns`; a resume that declared repeats
+  (`tool_calls_repeated`, as `restart_episode` does) asked again for no more steps than it
+  declared; and in the environments' own journals (`RUN_DIR/env/*.jsonl`, a
   JSON object with a `step_id` a line, as the built-in calculator keeps) no step was executed
   twice.
 """
@@ -187,13 +189,14 @@ def audit_run_dir(run_dir: Path) -> AuditReport:
         metrics, events, timeline, int(config["rollout"]["num_prompts_per_step"])
     )
     report.violations[:0] = [f"damaged record: {p}" for name in FILES for p in problems[name]]
-    _audit_steps(run_dir, report)
+    _audit_steps(run_dir, report, int((config.get("env") or {}).get("max_turns", 0)))
     _audit_journals(run_dir / "env", report)
     return report
 
 
-def _audit_steps(run_dir: Path, report: AuditReport) -> None:
-    """I9 from the steps log and the resume events (see the module docstring)."""
+def _audit_steps(run_dir: Path, report: AuditReport, max_turns: int = 0) -> None:
+    """I9 from the steps log and the resume events (see the module docstring); with
+    `max_turns` > 0 (`env.max_turns`), no episode stepped at a turn past it."""
     path = run_dir / "env_steps.jsonl"
     if not path.exists():
         return
@@ -215,11 +218,12 @@ def _audit_steps(run_dir: Path, report: AuditReport) -> None:
         # the resumed attempt (a later one resumes from a later cut, checked by its own event;
         # a finished group generated again would break I3)
         again = sorted({s for s, a in asked if a == event["attempt"] and s in recorded})
-        if again and not event.get("tool_calls_repeated"):
+        declared = int(event.get("tool_calls_repeated") or 0)
+        if len(again) > declared:  # a restart's declared repeats excuse that many, no more
             report.violations.append(
                 f"I9: attempt {event['attempt']} asked again for {len(again)} "
                 f"environment steps step {event['from_step']}'s checkpoint had recorded "
-                f"(the resume declared none): {', '.join(again[:10])}"
+                f"(the resume declared {declared or 'none'}): {', '.join(again[:10])}"
             )
     turns: dict[str, set[int]] = {}
     for step_id, _ in asked:
@@ -228,6 +232,12 @@ def _audit_steps(run_dir: Path, report: AuditReport) -> None:
     gaps = sorted(k for k, t in turns.items() if t != set(range(max(t) + 1)))
     if gaps:
         report.violations.append(f"I9: episodes whose steps skip a turn: {', '.join(gaps[:10])}")
+    past = sorted(k for k, t in turns.items() if max_turns and max(t) >= max_turns)
+    if past:
+        report.violations.append(
+            f"I9: episodes stepped past env.max_turns={max_turns} (turns are counted from 0): "
+            f"{', '.join(past[:10])}"
+        )
 
 
 def _audit_journals(folder: Path, report: AuditReport) -> None:
