@@ -136,3 +136,38 @@ def test_two_resumes_of_one_attempt_are_both_checked():
     assert report.violations == [
         "I3: attempt 1 generated kept buffered groups from step 1's checkpoint again: 4"
     ]
+
+
+def test_a_resume_record_torn_mid_file_fails_the_audit_of_a_run_dir_of_this_version(tmp_path):
+    """Issue 44: a `resume` record cut in half mid-file was taken for a line an old relaunch
+    left, the resume dropped from the audit: "0 resumes: I1 ok, I3 ok". A run dir whose
+    run.json says `records: 2` (this version cuts torn lines at each relaunch) tolerates a torn
+    last line only; one of an older version (no `records`) keeps the old tolerance."""
+    import json
+
+    from helpers import small_config
+
+    from asyncrl.cli.audit import audit_run_dir
+    from asyncrl.train.trainer import train
+
+    run = tmp_path / "run"
+    train(small_config("run.max_num_steps=2"), run)
+    train(small_config("run.max_num_steps=4"), run)  # a resume
+    assert json.loads((run / "run.json").read_text())["records"] == 2
+    events = run / "events.jsonl"
+    lines = events.read_text().splitlines(keepends=True)
+    (number,) = [i for i, line in enumerate(lines, start=1) if '"event":"resume"' in line]
+    whole = "".join(lines)
+    events.write_text(whole + '{"event":"sig')  # a torn last line: tolerated
+    assert audit_run_dir(run).ok
+    lines[number - 1] = lines[number - 1][: len(lines[number - 1]) // 2] + "\n"  # torn mid-file
+    events.write_text("".join(lines))
+    report = audit_run_dir(run)
+    assert not report.ok and report.num_resumes == 0
+    assert report.violations[0].startswith(f"damaged record: events.jsonl:{number}:")
+    record = json.loads((run / "run.json").read_text())
+    del record["records"]  # as an older version wrote it
+    (run / "run.json").write_text(json.dumps(record))
+    assert audit_run_dir(run).ok  # the old tolerance, for old run dirs
+    train(small_config("run.max_num_steps=5"), run)  # resumed by this version: stays old
+    assert "records" not in json.loads((run / "run.json").read_text())

@@ -27,6 +27,7 @@ from typing import Any
 import yaml
 
 from asyncrl.train.records import iter_jsonl, span_token_starts
+from asyncrl.train.rundir import records_version
 
 
 @dataclass
@@ -181,27 +182,32 @@ def audit_run_dir(run_dir: Path) -> AuditReport:
     torn last one) is a violation naming its file and line: the check it carried (a resume's
     kept groups, a step's ordinals) cannot be made, so the audit cannot pass."""
     config = yaml.safe_load((run_dir / "config.yaml").read_text())
+    strict = records_version(run_dir) is not None  # only a last line may be torn
     problems: dict[str, list[str]] = {name: [] for name in FILES}
     metrics, events, timeline = (
-        iter_jsonl(run_dir / f"{name}.jsonl", problems[name]) for name in FILES
+        iter_jsonl(run_dir / f"{name}.jsonl", problems[name], strict) for name in FILES
     )
     report = audit_records(
         metrics, events, timeline, int(config["rollout"]["num_prompts_per_step"])
     )
     report.violations[:0] = [f"damaged record: {p}" for name in FILES for p in problems[name]]
-    _audit_steps(run_dir, report, int((config.get("env") or {}).get("max_turns", 0)))
+    _audit_steps(run_dir, report, int((config.get("env") or {}).get("max_turns", 0)), strict)
     _audit_journals(run_dir / "env", report)
     return report
 
 
-def _audit_steps(run_dir: Path, report: AuditReport, max_turns: int = 0) -> None:
+def _audit_steps(
+    run_dir: Path, report: AuditReport, max_turns: int = 0, strict: bool = False
+) -> None:
     """I9 from the steps log and the resume events (see the module docstring); with
     `max_turns` > 0 (`env.max_turns`), no episode stepped at a turn past it."""
     path = run_dir / "env_steps.jsonl"
     if not path.exists():
         return
     problems: list[str] = []
-    asked = [(str(r["step_id"]), int(r["attempt"])) for r in iter_jsonl(path, problems)]
+    asked = [
+        (str(r["step_id"]), int(r["attempt"])) for r in iter_jsonl(path, problems, strict)
+    ]
     report.violations += [f"damaged record: {p}" for p in problems]
     report.num_env_steps = len({s for s, _ in asked})
     saved: dict[int, list[str]] = {}  # checkpoint step -> the steps its cut held, as written

@@ -32,6 +32,7 @@ from asyncrl.faults import fault_point
 from asyncrl.rollout.scorer import Scored
 from asyncrl.tasks.environments import Environment, Turn
 from asyncrl.tasks.examples import Example
+from asyncrl.train.records import JsonlLog
 
 
 def env_seed(seed: int, ordinal: int, sample: int) -> int:
@@ -77,6 +78,7 @@ class EpisodeRunner:
             self.eos_id = turn_end_id(tokenizer, eos_id)
         self._envs: dict[tuple[int, int], Any] = {}
         self._prompts: dict[int, list[int]] = {}
+        self._steps: JsonlLog | None = None
 
     # --- the collector's calls
 
@@ -208,12 +210,14 @@ class EpisodeRunner:
             ) from err
 
     def _log_step(self, sid: str) -> None:
-        """Appends the step to the steps log (flushed: a SIGKILL loses at most a torn line)."""
+        """Appends the step to the steps log (flushed: a SIGKILL loses at most a torn line,
+        which the next launch cuts off before it appends: `JsonlLog`)."""
         if self.steps_log is None:
             return
-        self.steps_log.parent.mkdir(parents=True, exist_ok=True)
-        with open(self.steps_log, "a") as f:
-            f.write(json.dumps({"step_id": sid, "attempt": self.attempt}) + "\n")
+        if self._steps is None:
+            self.steps_log.parent.mkdir(parents=True, exist_ok=True)
+            self._steps = JsonlLog(self.steps_log)
+        self._steps.write({"step_id": sid, "attempt": self.attempt})
 
     # --- environments and rendering
 

@@ -130,11 +130,15 @@ def read_jsonl_checked(path: Path) -> tuple[list[dict[str, Any]], list[str]]:
     return list(iter_jsonl(path, problems)), problems
 
 
-def iter_jsonl(path: Path, problems: list[str] | None = None) -> Iterator[dict[str, Any]]:
+def iter_jsonl(
+    path: Path, problems: list[str] | None = None, torn_last_only: bool = False
+) -> Iterator[dict[str, Any]]:
     """The records of a JSON-lines file, one line in memory at a time. Appends to `problems`
     a `FILE:LINE: ...` for every line that is not a JSON object, except a torn one (a record
     cut short by a kill mid-write: the last line, or, in a run dir written before relaunches
-    cut them off, a line a relaunch ended). Lines are counted from 1. No file: no records."""
+    cut them off, a line a relaunch ended; with `torn_last_only`, as in a run dir whose
+    `run.json` says `records: 2`, only the last). Lines are counted from 1. No file: no
+    records."""
     if not path.exists():
         return
     with path.open("rb") as f:
@@ -147,7 +151,7 @@ def iter_jsonl(path: Path, problems: list[str] | None = None) -> Iterator[dict[s
                 try:
                     record = json.loads(raw)
                 except (json.JSONDecodeError, UnicodeDecodeError) as err:
-                    _problem(path, number, raw, err, problems)
+                    _problem(path, number, raw, err, problems, torn_last_only)
                     continue
             if isinstance(record, dict):
                 yield record
@@ -156,11 +160,17 @@ def iter_jsonl(path: Path, problems: list[str] | None = None) -> Iterator[dict[s
 
 
 def _problem(
-    path: Path, number: int, raw: bytes, err: Exception, problems: list[str] | None
+    path: Path,
+    number: int,
+    raw: bytes,
+    err: Exception,
+    problems: list[str] | None,
+    torn_last_only: bool = False,
 ) -> None:
     """Notes an undecodable line, unless it is torn (see `iter_jsonl`)."""
     last_and_torn = not raw.endswith(b"\n")  # only the last line can lack one
-    if problems is not None and not last_and_torn and not _torn(raw.rstrip(b"\n")):
+    torn_mid_file = not torn_last_only and _torn(raw.rstrip(b"\n"))
+    if problems is not None and not last_and_torn and not torn_mid_file:
         problems.append(f"{path.name}:{number}: not a JSON record ({err})")
 
 

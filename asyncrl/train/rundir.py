@@ -90,9 +90,30 @@ def _write_atomically(path: Path, text: str) -> None:
     os.rename(tmp, path)
 
 
-def _write_run_json(path: Path, run_id: str, launches: int = 0) -> None:
-    record = {"run_id": run_id, "launches": launches}
+RECORDS_VERSION = 2
+"""`run.json`'s `records`: how this version keeps the run's JSON-lines records. 2: every
+writer cuts a torn last line before it appends (`JsonlLog`), so only a file's last line can be
+torn and `audit` counts a torn line anywhere else as damage. Absent: a run dir created by an
+older version, whose relaunches may have left torn lines mid-file (tolerated there)."""
+
+
+def _write_run_json(
+    path: Path, run_id: str, launches: int = 0, records: int | None = RECORDS_VERSION
+) -> None:
+    record: dict[str, Any] = {"run_id": run_id, "launches": launches}
+    if records is not None:
+        record["records"] = records
     _write_atomically(path / "run.json", json.dumps(record) + "\n")
+
+
+def records_version(path: Path) -> int | None:
+    """`run.json`'s `records` (see `RECORDS_VERSION`); None for a run dir of an older version
+    or without a readable run.json."""
+    try:
+        value = json.loads((path / "run.json").read_text()).get("records")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return int(value) if isinstance(value, int) else None
 
 
 def _launches(path: Path) -> int:
@@ -105,8 +126,9 @@ def _launches(path: Path) -> int:
 
 
 def record_launch(run: RunDir) -> None:
-    """Counts this launch in `run.json`, just before its `start` event."""
-    _write_run_json(run.path, run.run_id, run.attempt + 1)
+    """Counts this launch in `run.json`, just before its `start` event (keeping its `records`:
+    a run dir an older version created stays one)."""
+    _write_run_json(run.path, run.run_id, run.attempt + 1, records_version(run.path))
 
 
 def open_run_dir(
