@@ -178,13 +178,18 @@ def test_audit_catches_a_lossless_resume_that_lost_its_episodes(tmp_path, repo_r
     ],
 )
 def test_what_each_resume_policy_and_restore_kind_redoes(
-    tmp_path, repo_root, env_name, policy, repeats
+    tmp_path, repo_root, env_name, policy, repeats, monkeypatch
 ):
     run = tmp_path / "run"
     code, _, out = run_to(run, repo_root, env_name, f"{IN_FLIGHT}>episode.env_step:2")
     assert code == -signal.SIGKILL, out[-2000:]
     recorded = recorded_steps(run)
     assert recorded
+    # what `inspect` predicts, the environment's module importable as where the run ran
+    monkeypatch.syspath_prepend(str(repo_root / "tests" / "user_envs"))
+    info = inspect_run_dir(run)
+    assert info["env_restore"] == ("restart" if env_name == "TallyRestart" else "restorable")
+    predicted = info["resume_cost"][policy]
     code, pid, out = run_to(run, repo_root, env_name, extra=[f"checkpoint.resume_policy={policy}"])
     assert code == 0, out[-3000:]
     called_again = recorded & {s for p, s in calls(run) if p == pid}
@@ -196,4 +201,6 @@ def test_what_each_resume_policy_and_restore_kind_redoes(
         assert not called_again
         assert (event["turns_regenerated"], event["tool_calls_repeated"]) == (0, 0)
         assert event["turns_kept"] > 0
+    for key in ("turns_regenerated", "tool_calls_repeated", "turns_kept"):
+        assert predicted[key] == event[key], (key, predicted, event)
     assert audit_run_dir(run).ok

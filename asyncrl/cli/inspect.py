@@ -25,6 +25,8 @@ def inspect_run_dir(run_dir: Path) -> dict[str, Any]:
     saved, samples, episodes = _saved_ledger(
         latest, parts, int(config["rollout"]["num_prompts_per_step"])
     )
+    env_name = str(config.get("env", {}).get("name", ""))
+    restore = _restore_kind(env_name)
     return {
         "run_dir": str(run_dir),
         "checkpoint": str(latest.path),
@@ -45,11 +47,27 @@ def inspect_run_dir(run_dir: Path) -> dict[str, Any]:
         "partial_samples": {str(k): v for k, v in sorted(samples.items())},
         "buffered_tokens": {str(k): v for k, v in sorted(saved.buffered_tokens.items())},
         "buffered_ordinals": sorted(k for k, _ in saved.buffered),
-        "env_name": config.get("env", {}).get("name", ""),
+        "env_name": env_name,
+        "env_restore": restore,
         "episodes_in_flight": {str(k): v for k, v in sorted(episodes.items())},
-        "resume_cost": {policy: _cost(saved, policy) for policy in POLICIES},
+        "resume_cost": {policy: _cost(saved, policy, restore == "restart") for policy in POLICIES},
         "rejected": rejected,
     }
+
+
+def _restore_kind(env_name: str) -> str | None:
+    """The `restore` kind of the checkpoint's `env.name` (what its resume does with the
+    episodes in flight), as the trainer resolves it; None without episodes, or where the
+    environment's module does not import here."""
+    if not env_name:
+        return None
+    from asyncrl.config import ConfigError
+    from asyncrl.tasks.environments import environment_class
+
+    try:
+        return str(environment_class(env_name).restore)
+    except ConfigError:
+        return None
 
 
 def _saved_ledger(
@@ -109,8 +127,8 @@ def _per_target(saved: SavedLedger) -> dict[str, dict[str, Any]]:
     }
 
 
-def _cost(saved: SavedLedger, policy: ResumePolicy) -> dict[str, Any]:
-    plan = plan_resume(saved, policy)
+def _cost(saved: SavedLedger, policy: ResumePolicy, episodes_restart: bool) -> dict[str, Any]:
+    plan = plan_resume(saved, policy, episodes_restart)
     return {
         "prompts_skipped": len(plan.skipped),
         "finished_groups_discarded": len(plan.discarded),
@@ -158,7 +176,10 @@ def render(info: dict[str, Any]) -> None:
         listed = ", ".join(f"{k}: {v}" for k, v in info["partial_tokens"].items())
         console.print(f"partial generations (tokens so far): {listed}")
     if info["episodes_in_flight"]:
-        console.print(f"episodes in flight (env.name={info['env_name']}):")
+        kind = info["env_restore"] or (
+            "unknown: its module does not import here, so the costs assume it restores"
+        )
+        console.print(f"episodes in flight (env.name={info['env_name']}, restore={kind}):")
         for k, samples in info["episodes_in_flight"].items():
             listed = ", ".join(
                 "done" if e["done"] else f"turn {e['turns'] + 1} at {e['tokens']} tokens"
