@@ -6,6 +6,7 @@ and the protocol's errors."""
 from __future__ import annotations
 
 import random
+from typing import ClassVar
 
 import pytest
 import torch
@@ -363,7 +364,7 @@ class HalfPoint:
 
     restore = "replay"
     alphabet = ""
-    steps: list[str] = []
+    steps: ClassVar[list[str]] = []
 
     def reset(self, example, seed):
         return [{"role": "user", "content": "1-5="}]
@@ -382,9 +383,9 @@ def test_an_episode_ended_by_a_limit_is_not_stepped_again_while_a_sibling_genera
     turn, or no room for another); sample 1 keeps generating for two more passes. Before the
     fix, every later pass stepped sample 0 again under a new id: 0:0:0, 0:0:1, 0:0:2, reward
     1.5 instead of 0.5."""
+    from asyncrl.core.types import PromptTicket
     from asyncrl.models.policy import load_policy
     from asyncrl.rollout.episodes import EpisodeRunner
-    from asyncrl.core.types import PromptTicket
     from asyncrl.tasks.games import guess_number_examples
 
     policy = load_policy(small_config().model, 0, set("0123456789=-+"))

@@ -205,9 +205,7 @@ def _audit_steps(
     if not path.exists():
         return
     problems: list[str] = []
-    asked = [
-        (str(r["step_id"]), int(r["attempt"])) for r in iter_jsonl(path, problems, strict)
-    ]
+    asked = [(str(r["step_id"]), int(r["attempt"])) for r in iter_jsonl(path, problems, strict)]
     report.violations += [f"damaged record: {p}" for p in problems]
     report.num_env_steps = len({s for s, _ in asked})
     saved: dict[int, list[str]] = {}  # checkpoint step -> the steps its cut held, as written

@@ -92,9 +92,7 @@ class Episode:
             "start": start,
             "end": end,
         }
-        return replace(
-            self, turns=(*self.turns, turn), done=done, env_state=env_state, ended=done
-        )
+        return replace(self, turns=(*self.turns, turn), done=done, env_state=env_state, ended=done)
 
     def history(self) -> list[Message]:
         """Every message so far: the opening, then each turn's assistant text and replies."""

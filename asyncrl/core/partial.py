@@ -226,7 +226,6 @@ class Partial:
             episodes=None
             if episodes is None
             else tuple(
-                Episode.from_state(e, bool(finished[i]), lengths[i])
-                for i, e in enumerate(episodes)
+                Episode.from_state(e, bool(finished[i]), lengths[i]) for i, e in enumerate(episodes)
             ),
         )
