@@ -11,11 +11,12 @@ run's `events.jsonl` it prints, per seed, the held-out greedy accuracy of the in
 (the `eval` event of step -1) and of the last evaluation, with their standard errors, the
 `\\boxed{}` format share of the last one, and the wall seconds from the run's `start` event to
 the last evaluation; then, last, the means over the seeds and how many rose by at least
-`--target` points (issue 32: 10 points on 2 of 3 seeds within 30 minutes):
+`--target` points (issue 45: 10 points on 2 of 3 seeds within 45 minutes):
 
     smol: heldout_acc S0 -> S1 in T s (seeds up >= 10 points: K/N)
 
-`--from DIR ...` reads finished run directories instead of training.
+`--from DIR ...` reads finished run directories instead of training; `--plot PNG` draws each
+seed's held-out greedy accuracy against the step, with its standard error (docs/img/).
 """
 
 from __future__ import annotations
@@ -70,6 +71,37 @@ def read_run(run: Path) -> SeedResult:
     )
 
 
+def curve(run: Path) -> list[tuple[int, float, float]]:
+    """(step, held-out greedy accuracy, its standard error) of each evaluation of a run, the
+    initial weights at step 0 (their `eval` event says step -1), the last one per step."""
+    points = {
+        int(e["step"]) + 1: (float(e["eval/greedy_pass"]), float(e["eval/stderr/greedy_pass"]))
+        for e in read_jsonl(run / "events.jsonl")
+        if e["event"] == "eval"
+    }
+    return [(step, *points[step]) for step in sorted(points)]
+
+
+def plot(pairs: list[tuple[str, Path]], out: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 3.6))
+    for seed, run in pairs:
+        steps, acc, se = zip(*curve(run), strict=True)
+        ax.errorbar(steps, acc, yerr=se, marker="o", capsize=3, label=f"seed {seed}")
+    ax.set_xlabel("steps trained")
+    ax.set_ylabel("held-out greedy accuracy (256)")
+    ax.set_title("SmolLM2-135M-Instruct, configs/smol_math.yaml")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(out, dpi=110)
+    print(f"plot: {out}", file=sys.stderr)
+
+
 def seed_line(seed: str, r: SeedResult) -> str:
     return (
         f"seed {seed}: heldout greedy {r.before:.3f} ± {r.before_se:.3f} before training -> "
@@ -106,12 +138,15 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--target", type=float, default=10.0, help="points (default 10)")
     parser.add_argument("--from", dest="runs", nargs="+", type=Path, default=[])
     parser.add_argument("--dir", type=Path, default=None, help="runs go here (default: temp)")
+    parser.add_argument("--plot", type=Path, default=None, help="write the curves to this PNG")
     args = parser.parse_args(argv)
     pairs: list[tuple[str, SeedResult]] = []
     if args.runs:
         for run in args.runs:
             config: dict[str, Any] = read_jsonl(run / "events.jsonl")[0].get("config", {})
             pairs.append((str(config.get("run", {}).get("seed", "?")), read_run(run)))
+        if args.plot:
+            plot([(seed, r.run) for seed, r in pairs], args.plot)
     else:
         subprocess.run([sys.executable, "-m", "asyncrl.examples.smol_math", "data/smol_math"],
                        cwd=ROOT, check=True, capture_output=True)  # fmt: skip

@@ -58,8 +58,8 @@ def test_the_smol_config_trains_the_real_model_killed_and_resumed_exactly(
     train = datasets.load_dataset("parquet", data_files=str(files["train"]), split="train")
     test = datasets.load_dataset("parquet", data_files=str(files["test"]), split="train")
     assert (len(train), len(test)) == (64, 4)
-    assert not {r["messages"][0]["content"] for r in train} & {
-        r["messages"][0]["content"] for r in test
+    assert not {r["messages"][-1]["content"] for r in train} & {
+        r["messages"][-1]["content"] for r in test
     }
     run = tmp_path / "run"
     command = [

@@ -4,7 +4,8 @@
     python -m asyncrl.examples.smol_math data/smol_math
 
 writes `model/` (`asyncrl prepare-model smollm2-135m-instruct`), `train.parquet` and
-`test.parquet` (rows `{"messages": [{"role": "user", "content": ...}], "answer": "42"}`; no
+`test.parquet` (rows `{"messages": [solved example, its answer, {"role": "user", "content": ...}],
+"answer": "42"}`; no
 question in both; 256 held out by default), which `configs/smol_math.yaml` trains with the
 `math` reward. Same files for the same arguments; existing files are kept.
 """
@@ -106,19 +107,31 @@ def problems(count: int, seed: int = 0) -> Iterator[tuple[str, int, int]]:
             yield question, answer, steps
 
 
-INSTRUCTION = (
-    "Solve the problem in one or two short sentences and end with the answer in \\boxed{}, "
-    "for example: 3 + 4 = 7, so the answer is \\boxed{7}."
+INSTRUCTION = "Answer with the calculation and the result in \\boxed{}."
+"""Ends each user turn."""
+
+EXAMPLE = (
+    "Sam has 12 pens and buys 5 more. How many pens does Sam have now?",
+    "12 + 5 = 17, so the answer is \\boxed{17}.",
 )
-"""Appended to each question in the user's turn. Measured on the first 32 held-out problems,
-greedy, 80 new tokens, the initial SmolLM2-135M-Instruct (2026-12-02): as a system prompt
-without the example, 3.1% right and 0% in one `\\boxed{}`; as a system prompt with it, 3.1%
-and 0%; in the user's turn, 9.4% and 28%: the format bonus is then within reach."""
+"""One solved problem, a user turn and the assistant's answer before each question (one-shot
+in the chat). Measured on 64 training problems, 80 new tokens, the initial
+SmolLM2-135M-Instruct, 2026-12-05: this one-shot answers 10.9% right at temperature 0.5 (4
+samples each) and boxes 69%; the earlier prompt (the instruction "Solve the problem in one or
+two short sentences and end with the answer in \\boxed{}, for example: 3 + 4 = 7, so the
+answer is \\boxed{7}." in the user's turn) 6.2% and 12%, copying its example's 7 (greedy:
+14.1% and 10.9%). A sample at temperature 1 was right 1.6% of the time with the earlier prompt,
+too rarely for GRPO's groups of 8 to see a right answer (docs/examples.md)."""
 
 
 def chat_row(question: str, answer: int, steps: int) -> dict[str, Any]:
+    shot_question, shot_answer = EXAMPLE
     return {
-        "messages": [{"role": "user", "content": f"{question}\n{INSTRUCTION}"}],
+        "messages": [
+            {"role": "user", "content": f"{shot_question}\n{INSTRUCTION}"},
+            {"role": "assistant", "content": shot_answer},
+            {"role": "user", "content": f"{question}\n{INSTRUCTION}"},
+        ],
         "answer": str(answer),
         "steps": steps,
     }
