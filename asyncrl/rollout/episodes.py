@@ -32,7 +32,6 @@ from asyncrl.faults import fault_point
 from asyncrl.rollout.scorer import Scored
 from asyncrl.tasks.environments import Environment, Turn
 from asyncrl.tasks.examples import Example
-from asyncrl.train.records import JsonlLog
 
 
 def env_seed(seed: int, ordinal: int, sample: int) -> int:
@@ -78,7 +77,7 @@ class EpisodeRunner:
             self.eos_id = turn_end_id(tokenizer, eos_id)
         self._envs: dict[tuple[int, int], Any] = {}
         self._prompts: dict[int, list[int]] = {}
-        self._steps: JsonlLog | None = None
+        self._steps_opened = False
 
     # --- the collector's calls
 
@@ -211,13 +210,15 @@ class EpisodeRunner:
 
     def _log_step(self, sid: str) -> None:
         """Appends the step to the steps log (flushed: a SIGKILL loses at most a torn line,
-        which the next launch cuts off before it appends: `JsonlLog`)."""
+        which the first append of the next launch cuts off, as `JsonlLog` does the records')."""
         if self.steps_log is None:
             return
-        if self._steps is None:
+        if not self._steps_opened:
             self.steps_log.parent.mkdir(parents=True, exist_ok=True)
-            self._steps = JsonlLog(self.steps_log)
-        self._steps.write({"step_id": sid, "attempt": self.attempt})
+            _end_torn_line(self.steps_log)
+            self._steps_opened = True
+        with open(self.steps_log, "a") as f:
+            f.write(json.dumps({"step_id": sid, "attempt": self.attempt}) + "\n")
 
     # --- environments and rendering
 
@@ -310,6 +311,28 @@ def turn_end_id(tokenizer: PreTrainedTokenizerBase, eos_id: int) -> int:
     if ids and int(ids[0]) in added:  # a token of its own, not text
         return int(ids[0])
     return eos_id
+
+
+def _end_torn_line(path: Path) -> None:
+    """Ends the file's unterminated last line, if any: a whole record gets its newline, a
+    record torn by a kill mid-write is cut off (it never was one)."""
+    if not path.exists() or path.stat().st_size == 0:
+        return
+    data = path.read_bytes()
+    if data.endswith(b"\n"):
+        return
+    start = data.rfind(b"\n") + 1
+    try:
+        json.loads(data[start:])
+        whole = True
+    except ValueError:
+        whole = False
+    with open(path, "r+b") as f:
+        if whole:
+            f.seek(0, 2)
+            f.write(b"\n")
+        else:
+            f.truncate(start)
 
 
 def _last_step(episode: Episode) -> str:
