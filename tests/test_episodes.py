@@ -492,12 +492,12 @@ def test_a_restorable_state_is_copied_and_checked_when_its_step_returns(monkeypa
 
 
 def test_the_steps_log_cuts_a_torn_last_line_and_keeps_a_whole_one(tmp_path):
-    from asyncrl.rollout.episodes import _end_torn_line
+    from asyncrl.checkpoint.torn import end_torn_line
 
     path = tmp_path / "env_steps.jsonl"
     path.write_text('{"step_id": "0:0:0", "attempt": 0}\n{"step_id": "0:1')  # killed mid-write
-    _end_torn_line(path)
+    end_torn_line(path)
     assert path.read_text() == '{"step_id": "0:0:0", "attempt": 0}\n'
     path.write_text('{"step_id": "0:0:0", "attempt": 0}')  # whole, killed before its newline
-    _end_torn_line(path)
+    end_torn_line(path)
     assert path.read_text() == '{"step_id": "0:0:0", "attempt": 0}\n'

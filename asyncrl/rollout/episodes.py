@@ -24,6 +24,7 @@ from transformers import PreTrainedTokenizerBase
 
 from asyncrl.checkpoint.restore import SKIP_RESTORE
 from asyncrl.checkpoint.snapshot import flatten_part
+from asyncrl.checkpoint.torn import end_torn_line
 from asyncrl.core.episodes import Episode, Message, step_id
 from asyncrl.core.partial import Partial
 from asyncrl.core.seeds import derived_seed
@@ -215,7 +216,7 @@ class EpisodeRunner:
             return
         if not self._steps_opened:
             self.steps_log.parent.mkdir(parents=True, exist_ok=True)
-            _end_torn_line(self.steps_log)
+            end_torn_line(self.steps_log)
             self._steps_opened = True
         with open(self.steps_log, "a") as f:
             f.write(json.dumps({"step_id": sid, "attempt": self.attempt}) + "\n")
@@ -311,28 +312,6 @@ def turn_end_id(tokenizer: PreTrainedTokenizerBase, eos_id: int) -> int:
     if ids and int(ids[0]) in added:  # a token of its own, not text
         return int(ids[0])
     return eos_id
-
-
-def _end_torn_line(path: Path) -> None:
-    """Ends the file's unterminated last line, if any: a whole record gets its newline, a
-    record torn by a kill mid-write is cut off (it never was one)."""
-    if not path.exists() or path.stat().st_size == 0:
-        return
-    data = path.read_bytes()
-    if data.endswith(b"\n"):
-        return
-    start = data.rfind(b"\n") + 1
-    try:
-        json.loads(data[start:])
-        whole = True
-    except ValueError:
-        whole = False
-    with open(path, "r+b") as f:
-        if whole:
-            f.seek(0, 2)
-            f.write(b"\n")
-        else:
-            f.truncate(start)
 
 
 def _last_step(episode: Episode) -> str:

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import orjson
 
+from asyncrl.checkpoint.torn import end_torn_line, is_torn
 from asyncrl.config import LoggingConfig
 from asyncrl.core.types import Group
 from asyncrl.train.trackers import MlflowSink, WandbSink
@@ -37,8 +38,7 @@ class JsonlLog:
 
     def __init__(self, path: Path) -> None:
         self.path = path
-        if path.exists() and path.stat().st_size > 0 and not _ends_with_newline(path):
-            _drop_torn_line(path)  # a kill mid-write left a partial record: it never was one
+        end_torn_line(path)  # a kill mid-write left a partial record: it never was one
         self._file = path.open("a", encoding="utf-8")
         self._lock = threading.Lock()
 
@@ -53,45 +53,6 @@ class JsonlLog:
     def close(self) -> None:
         with self._lock:
             self._file.close()
-
-
-def _drop_torn_line(path: Path) -> None:
-    """Ends an unterminated last line: a record torn by a kill mid-write is cut off (it never
-    was one), a whole one gets its newline. Reads only the file's tail."""
-    with path.open("rb+") as f:
-        end = f.seek(0, 2)
-        start = end
-        while start > 0:  # back to the last newline, a block at a time
-            start = max(0, start - 65536)
-            f.seek(start)
-            cut = f.read(end - start).rfind(b"\n")
-            if cut >= 0:
-                start += cut + 1
-                break
-        f.seek(start)
-        if _torn(f.read(end - start)):
-            f.truncate(start)
-        else:
-            f.seek(end)
-            f.write(b"\n")
-
-
-def _torn(raw: bytes) -> bool:
-    """A line that is the start of a JSON record cut short (what a kill mid-write leaves):
-    it fails to decode only because its text ran out."""
-    try:
-        json.loads(raw)
-    except json.JSONDecodeError as err:  # an open string reports where it began
-        return err.pos >= len(raw.rstrip()) or err.msg.startswith("Unterminated string")
-    except UnicodeDecodeError:  # a multi-byte character cut in two
-        return True
-    return False
-
-
-def _ends_with_newline(path: Path) -> bool:
-    with path.open("rb") as f:
-        f.seek(-1, 2)
-        return f.read(1) == b"\n"
 
 
 class EventLog(JsonlLog):
@@ -169,7 +130,7 @@ def _problem(
 ) -> None:
     """Notes an undecodable line, unless it is torn (see `iter_jsonl`)."""
     last_and_torn = not raw.endswith(b"\n")  # only the last line can lack one
-    torn_mid_file = not torn_last_only and _torn(raw.rstrip(b"\n"))
+    torn_mid_file = not torn_last_only and is_torn(raw.rstrip(b"\n"))
     if problems is not None and not last_and_torn and not torn_mid_file:
         problems.append(f"{path.name}:{number}: not a JSON record ({err})")
 
