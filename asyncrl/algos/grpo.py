@@ -107,11 +107,12 @@ class GRPO:
             weights, normaliser = loss_weights(
                 batch["completion_mask"], self.config.loss_aggregation, self.max_new_tokens
             )
-            per_row = {"advantages": advantages}
+            trained = self._trained_rows(batch["rewards"])
+            per_row = {"advantages": advantages[trained]}
             if weights is not batch["completion_mask"]:  # token_mean and constant: the mask
-                per_row["weights"] = weights
+                per_row["weights"] = weights[trained]
             shares = row_shares(
-                select(batch, slice(None)),
+                select(batch, trained),
                 per_row,
                 {"normaliser": normaliser, "entropy_coef": self.entropy_coef(advantages)},
                 ranks.world_size,
@@ -122,6 +123,11 @@ class GRPO:
         self.model.train()
         self.optimizer.zero_grad(set_to_none=True)
         lr = self.schedule.start(step)
+        if num_rows == 0:  # every group uniform and left out: no update, the step counts
+            self.schedule.advance()
+            if ranks.rank != 0:
+                return {"loss": 0.0}
+            return self._metrics(batch, step, 0.0, 0.0, lr, StepStats(), None, trained)
         loss_total, stats = 0.0, StepStats()
         trainer_logprobs: list[tuple[slice, torch.Tensor]] = []
         check = ranks.world_size == 1
@@ -149,10 +155,35 @@ class GRPO:
         self.schedule.advance()
         if ranks.rank != 0:
             return {"loss": loss_total}  # the step's metrics are rank 0's to record
+        return self._metrics(batch, step, loss_total, grad_norm, lr, stats, all_logprobs, trained)
+
+    def _trained_rows(self, rewards: torch.Tensor) -> torch.Tensor | slice:
+        """The rows of the step's [N, G] `rewards` that its passes train: all of them, or with
+        `algo.skip_zero_variance_groups` those of the groups whose rewards are not all equal
+        (ascending indices, so a group's rows stay together)."""
+        if not getattr(self.config.options, "skip_zero_variance_groups", False):
+            return slice(None)
+        varied = rewards.std(dim=1, unbiased=False) > 0  # [N]
+        return varied.repeat_interleave(rewards.shape[1]).nonzero().flatten()
+
+    def _metrics(
+        self,
+        batch: dict[str, Any],
+        step: int,
+        loss: float,
+        grad_norm: float,
+        lr: float,
+        stats: StepStats,
+        trainer_logprobs: torch.Tensor | None,
+        trained: torch.Tensor | slice,
+    ) -> dict[str, float]:
+        """The step's metrics (rank 0's): rewards and lengths over every sample; the loss
+        statistics and the engine/trainer mismatch over the trained rows."""
         rewards, mask = batch["rewards"], batch["completion_mask"]
         group_std = rewards.std(dim=1, unbiased=False)
-        return {
-            "loss": loss_total,
+        trained_mask = mask[trained]
+        metrics = {
+            "loss": loss,
             "reward_mean": float(rewards.mean()),
             "reward_std": float(rewards.std(unbiased=False)),
             "zero_variance_groups": float((group_std == 0).float().mean()),
@@ -161,13 +192,19 @@ class GRPO:
             "num_tokens": float(mask.sum()),
             "completion_len": float(mask.sum(1).float().mean()),
             **stats.result(),
-            **mismatch_stats(
-                all_logprobs,
-                batch["behaviour_logprobs"],
-                mask,
-                batch["token_versions"] == step,  # the trainer holds version `step`
-            ),
         }
+        if isinstance(trained, torch.Tensor):
+            metrics["trained_rows"] = float(len(trained))
+        if trainer_logprobs is not None:
+            metrics.update(
+                mismatch_stats(
+                    trainer_logprobs,
+                    batch["behaviour_logprobs"][trained],
+                    trained_mask,
+                    batch["token_versions"][trained] == step,  # the trainer holds `step`
+                )
+            )
+        return metrics
 
     def _micro_loss(
         self,

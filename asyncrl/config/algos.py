@@ -43,6 +43,13 @@ class GRPOOptions:
     against the trainer's own log-probs before the step, and each token's loss is weighted by
     `min(pi_trainer / pi_behaviour, mismatch_tis_cap)`, as `ppo` does with its `tis_cap` (a
     name of its own here: 0 means off, not untruncated)."""
+    skip_zero_variance_groups: bool = False
+    """Leave out of the step's passes the groups whose G rewards are all equal: every sample of
+    such a group has advantage 0, so its clipped-surrogate term is 0, yet its forward and
+    backward passes cost as much as any other's (DAPO filters them too). The normaliser stays
+    the whole step's, so the surrogate's gradient is the same; the KL and entropy terms of the
+    left-out samples go with them. A step whose groups are all uniform applies no update
+    (`trained_rows` 0). Pays where most groups are uniform (`zero_variance_groups` near 1)."""
 
     def validate(self, config: Config) -> None:
         validate_tis_cap(self.mismatch_tis_cap)
@@ -110,6 +117,9 @@ class RLOOOptions:
     advantages, so one coefficient means the same against RLOO's unscaled advantages as
     against GRPO's std-scaled ones (a coefficient tuned for GRPO otherwise swamps RLOO's
     signal: docs/algorithms.md); `none`: `algo.entropy_coef` as given."""
+    skip_zero_variance_groups: bool = False
+    """As GRPO's: groups whose G rewards are all equal (advantage 0) are left out of the
+    step's passes; the normaliser stays the whole step's."""
 
     def validate(self, config: Config) -> None:
         validate_tis_cap(self.mismatch_tis_cap)
