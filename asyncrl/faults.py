@@ -69,7 +69,8 @@ RANK_POINTS = (
 """Points in the trainer's other ranks (`train.num_processes` > 1; every such rank counts its
 own passes): rank 0 sees the rank die (tests/test_data_parallel_runs.py)."""
 EPISODE_POINTS = (
-    "episode.env_step",  # an environment answered a turn, its reply not yet in the sample
+    "episode.env_answered",  # an environment answered a turn, its result not yet logged
+    "episode.env_step",  # the result logged (env_steps.jsonl), the reply not yet in the sample
 )
 """Points of multi-turn runs (`env.name`) in the trainer's process
 (tests/test_episode_crash.py)."""

@@ -80,7 +80,7 @@ def run_to(run: Path, repo_root: Path, env_name: str, fault: str = "", skip: str
 def calls(run: Path) -> list[tuple[int, str]]:
     """(pid, step_id) of every environment step, in order, from the environment's journal."""
     journal = run.parent / f"{run.name}.journal"
-    return [(int(p), s) for p, s in (line.split() for line in journal.read_text().splitlines())]
+    return [(int(p), s) for p, s, _ in (line.split() for line in journal.read_text().splitlines())]
 
 
 def recorded_steps(run: Path) -> set[str]:
@@ -145,6 +145,9 @@ def test_a_resume_that_does_not_restore_the_environments_is_caught(tmp_path, rep
     code, _, out = run_to(run, repo_root, "Tally", f"{IN_FLIGHT}>engine.decode_step:3",
                           extra=DETERMINISTIC)  # fmt: skip
     assert code == -signal.SIGKILL, out[-2000:]
+    # without the steps log, which would answer the steps past the cut from its records, the
+    # environments the resume did not restore are asked
+    (run / "env_steps.jsonl").unlink()
     code, _, out = run_to(run, repo_root, "Tally", skip="env_state", extra=DETERMINISTIC)
     assert code == 0, out[-3000:]
     assert fingerprint(run) != reference
@@ -192,10 +195,13 @@ def test_what_each_resume_policy_and_restore_kind_redoes(
     predicted = info["resume_cost"][policy]
     code, pid, out = run_to(run, repo_root, env_name, extra=[f"checkpoint.resume_policy={policy}"])
     assert code == 0, out[-3000:]
-    called_again = recorded & {s for p, s in calls(run) if p == pid}
+    # a turn asked again: under a new id when its episode started over (`O:S:T:RESTARTS`)
+    asked = {s for p, s in calls(run) if p == pid}
+    called_again = recorded & {":".join(s.split(":")[:3]) for s in asked}
     (event,) = [e for e in read_records(run / "events.jsonl") if e["event"] == "resume"]
     if repeats:
         assert called_again and event["tool_calls_repeated"] >= len(called_again) > 0
+        assert not recorded & asked, "a restarted episode asked again under a recorded id"
         assert event["turns_regenerated"] > 0 and event["tokens_regenerated"] > 0
     else:
         assert not called_again
@@ -204,3 +210,37 @@ def test_what_each_resume_policy_and_restore_kind_redoes(
     for key in ("turns_regenerated", "tool_calls_repeated", "turns_kept"):
         assert predicted[key] == event[key], (key, predicted, event)
     assert audit_run_dir(run).ok
+
+
+def test_killed_past_the_checkpoint_a_default_mode_run_asks_each_step_once_with_one_text(
+    tmp_path, repo_root
+):
+    """Issue 44's check: episodes capped by env.max_turns that never say done (Tally ends at
+    3 turns, the cap is 2), chunks of 2 tokens (siblings out of lockstep), the default mode,
+    killed past a checkpoint: after an environment step (its result logged), and inside one
+    (asked, its result not logged). The environment's own journal (`PID STEP_ID TEXT_SHA256`)
+    must show every step asked with one text, none past the cap, and at most one step
+    executed twice per kill (the one in flight); the steps log recovered turns instead of
+    regenerating them. Before the write-ahead log, every step after the checkpoint ran again
+    after a kill, with a new text."""
+    run = tmp_path / "run"
+    extra = ["env.max_turns=2", "rollout.chunk_tokens=2"]
+    faults = [f"{IN_FLIGHT}>episode.env_step:3", f"{IN_FLIGHT}>episode.env_answered:2"]
+    for fault in faults:
+        code, _, out = run_to(run, repo_root, "Tally", fault, extra=extra)
+        assert code == -signal.SIGKILL, out[-2000:]
+    code, _, out = run_to(run, repo_root, "Tally", extra=extra)
+    assert code == 0, out[-3000:]
+    journal = [line.split() for line in (tmp_path / "run.journal").read_text().splitlines()]
+    texts: dict[str, set[str]] = {}
+    for _, sid, sha in journal:
+        texts.setdefault(sid, set()).add(sha)
+    assert all(len(t) == 1 for t in texts.values()), {s: t for s, t in texts.items() if len(t) > 1}
+    assert all(int(sid.split(":")[2]) < 2 for sid in texts), "stepped past env.max_turns"
+    twice = [s for s in texts if sum(1 for _, sid, _ in journal if sid == s) > 1]
+    assert len(twice) <= len(faults) - 1, twice  # the kill inside a step: that step alone
+    events = [e for e in read_records(run / "events.jsonl") if e["event"] == "resume"]
+    assert len(events) == len(faults)
+    assert all(e["turns_regenerated"] == 0 for e in events)
+    assert sum(e["turns_recovered"] for e in events) > 0
+    assert audit_run_dir(run).ok, audit_run_dir(run).violations

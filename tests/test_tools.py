@@ -29,28 +29,56 @@ def test_the_calculator_does_arithmetic_and_nothing_else():
 
 def test_a_step_id_is_called_at_most_once_even_by_another_process(tmp_path, monkeypatch):
     path = tmp_path / "calculator.jsonl"
-    assert Journal(path).call("3:1:0", "6*7") == "42"
+    assert Journal(path).call("3:1:0", "6*7", "aa") == "42"
 
     def must_not_run(expression: str) -> str:
         raise AssertionError(f"called again: {expression}")
 
     monkeypatch.setattr(tools, "calculate", must_not_run)
     again = Journal(path)  # what a resumed process reads
-    assert again.call("3:1:0", "6*7") == "42"
+    assert again.call("3:1:0", "6*7", "aa") == "42"
     rows = [json.loads(line) for line in path.read_text().splitlines()]
-    assert rows == [{"step_id": "3:1:0", "expression": "6*7", "result": "42"}]
+    assert rows == [{"step_id": "3:1:0", "text_sha256": "aa", "expression": "6*7", "result": "42"}]
     with open(path, "a") as f:
         f.write('{"step_id": "3:1:1", "expr')  # a line torn by a kill was never used
     assert "3:1:1" not in Journal(path).results
     assert path.read_text().endswith("}\n")  # cut off, so the next call's line is whole
 
 
+def test_one_id_one_request_the_same_id_with_other_text_is_an_error(tmp_path):
+    """The defect it guards: `call('3:1:0', '6*7')` then `call('3:1:0', '1+1')` answered 42
+    twice, so a turn regenerated after a kill was trained on another turn's result."""
+    path = tmp_path / "calculator.jsonl"
+    journal = Journal(path)
+    assert journal.call("3:1:0", "6*7", "aa") == "42"
+    with pytest.raises(ValueError, match=r"3:1:0.*other text"):
+        journal.call("3:1:0", "1+1", "bb")
+    with pytest.raises(ValueError, match="3:1:0"):
+        Journal(path).call("3:1:0", "1+1", "bb")  # a resumed process knows it too
+    with open(path, "a") as f:  # a journal of an older version: no hash, answered by id
+        f.write(json.dumps({"step_id": "4:0:0", "expression": "1+2", "result": "3"}) + "\n")
+    assert Journal(path).call("4:0:0", "1+2", "cc") == "3"
+
+
+def test_the_environment_journals_the_hash_of_the_text_it_was_asked_with(tmp_path):
+    from asyncrl.core.episodes import text_sha256
+
+    env = Calculator()
+    env.set_workdir(tmp_path)
+    env.reset(Example("q", "12", "x", ({"role": "user", "content": "3 times 4?"},)), 0)
+    env.step("I compute <calc>3*4</calc>", "0:0:0")
+    row = json.loads((tmp_path / "calculator.jsonl").read_text())
+    assert row["text_sha256"] == text_sha256("I compute <calc>3*4</calc>")
+    with pytest.raises(ValueError, match="0:0:0"):
+        env.step("I compute <calc>3*5</calc>", "0:0:0")
+
+
 def test_audit_finds_an_environment_step_executed_twice(tmp_path):
     from asyncrl.cli.audit import AuditReport, _audit_journals
 
     folder = tmp_path / "env"
-    Journal(folder / "calculator.jsonl").call("0:0:0", "1+1")
-    Journal(folder / "calculator.jsonl").call("0:1:0", "2+2")
+    Journal(folder / "calculator.jsonl").call("0:0:0", "1+1", "aa")
+    Journal(folder / "calculator.jsonl").call("0:1:0", "2+2", "bb")
     report = AuditReport(1, 4, 0)
     _audit_journals(folder, report)
     assert report.ok and report.num_env_steps == 2

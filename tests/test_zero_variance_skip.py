@@ -25,7 +25,10 @@ SKIP = "algo.skip_zero_variance_groups=true"
 
 
 def with_rewards(groups, rewards):
-    return [dataclasses.replace(g, rewards=torch.tensor(r)) for g, r in zip(groups, rewards, strict=True)]
+    return [
+        dataclasses.replace(g, rewards=torch.tensor(r))
+        for g, r in zip(groups, rewards, strict=True)
+    ]
 
 
 @pytest.mark.parametrize("algo", ["grpo", "rloo"])

@@ -12,9 +12,11 @@
   (`tool_calls_repeated`, as `restart_episode` does); each episode's steps are its turns 0,
   1, 2, ... without a gap, each below `env.max_turns`; a resume that declared repeats
   (`tool_calls_repeated`, as `restart_episode` does) asked again for no more steps than it
-  declared; and in the environments' own journals (`RUN_DIR/env/*.jsonl`, a
-  JSON object with a `step_id` a line, as the built-in calculator keeps) no step was executed
-  twice.
+  declared; past the checkpoint, a resumed attempt asked again for at most one step an
+  earlier attempt had asked (the one in flight at the kill: the steps log recovers the
+  others); one step id was asked with one text (`text_sha256`); and in the environments' own
+  journals (`RUN_DIR/env/*.jsonl`, a JSON object with a `step_id` a line, as the built-in
+  calculator keeps) no step was executed twice, nor for a text other than the log's.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from typing import Any
 
 import yaml
 
+from asyncrl.core.episodes import parse_step_id
 from asyncrl.train.records import iter_jsonl, span_token_starts
 from asyncrl.train.rundir import records_version
 
@@ -38,6 +41,8 @@ class AuditReport:
     violations: list[str] = field(default_factory=list)
     num_env_steps: int | None = None
     """Environment steps the run's journals hold (None: no journal)."""
+    step_texts: dict[str, str] = field(default_factory=dict)
+    """Step id -> the hash of the text the steps log asked it with."""
 
     @property
     def ok(self) -> bool:
@@ -205,9 +210,26 @@ def _audit_steps(
     if not path.exists():
         return
     problems: list[str] = []
-    asked = [(str(r["step_id"]), int(r["attempt"])) for r in iter_jsonl(path, problems, strict)]
+    requests = [
+        r for r in iter_jsonl(path, problems, strict) if r.get("kind", "request") == "request"
+    ]
+    asked = [(str(r["step_id"]), int(r["attempt"])) for r in requests]
     report.violations += [f"damaged record: {p}" for p in problems]
     report.num_env_steps = len({s for s, _ in asked})
+    texts: dict[str, str] = {}  # step id -> the hash of the text it was first asked with
+    for r in requests:
+        if (
+            "text_sha256" in r
+            and texts.setdefault(str(r["step_id"]), r["text_sha256"]) != r["text_sha256"]
+        ):
+            report.violations.append(
+                f"I9: step {r['step_id']} asked with two different texts (attempt "
+                f"{r['attempt']}): one id must be one request"
+            )
+    report.step_texts = texts
+    first_attempt: dict[str, int] = {}
+    for sid, attempt in asked:
+        first_attempt.setdefault(sid, attempt)
     saved: dict[int, list[str]] = {}  # checkpoint step -> the steps its cut held, as written
     for event in iter_jsonl(run_dir / "events.jsonl"):
         if event.get("event") == "checkpoint" and "recorded_steps" in event:
@@ -229,10 +251,24 @@ def _audit_steps(
                 f"environment steps step {event['from_step']}'s checkpoint had recorded "
                 f"(the resume declared {declared or 'none'}): {', '.join(again[:10])}"
             )
+        # past the cut, only the step in flight at the kill (asked, its result not logged)
+        # may be asked again: the steps log recovers every other
+        attempt = int(event["attempt"])
+        redone = sorted(
+            {s for s, a in asked if a == attempt and s not in recorded and first_attempt[s] < a}
+        )
+        if len(redone) > 1:
+            report.violations.append(
+                f"I9: attempt {attempt} asked again for {len(redone)} environment steps an "
+                f"earlier attempt had asked after the checkpoint (at most the one in flight at "
+                f"the kill may be): {', '.join(redone[:10])}"
+            )
     turns: dict[str, set[int]] = {}
     for step_id, _ in asked:
-        ordinal, sample, turn = step_id.split(":")
-        turns.setdefault(f"{ordinal}:{sample}", set()).add(int(turn))
+        ordinal, sample, turn, restarts = parse_step_id(step_id)
+        turns.setdefault(f"{ordinal}:{sample}" + (f":{restarts}" if restarts else ""), set()).add(
+            turn
+        )
     gaps = sorted(k for k, t in turns.items() if t != set(range(max(t) + 1)))
     if gaps:
         report.violations.append(f"I9: episodes whose steps skip a turn: {', '.join(gaps[:10])}")
@@ -255,7 +291,15 @@ def _audit_journals(folder: Path, report: AuditReport) -> None:
         seen: dict[str, int] = {}
         for row in iter_jsonl(path, problems):
             if isinstance(row, dict) and "step_id" in row:
-                seen[str(row["step_id"])] = seen.get(str(row["step_id"]), 0) + 1
+                sid = str(row["step_id"])
+                seen[sid] = seen.get(sid, 0) + 1
+                asked = report.step_texts.get(sid)
+                if row.get("text_sha256") and asked and row["text_sha256"] != asked:
+                    report.violations.append(
+                        f"I9: {path.parent.name}/{path.name} executed step {sid} for a text "
+                        f"(hash {row['text_sha256']}) other than the one the steps log asked "
+                        f"it with ({asked})"
+                    )
         report.violations += [f"damaged record: {p}" for p in problems]
         journaled += len(seen)
         twice = sorted(s for s, n in seen.items() if n > 1)

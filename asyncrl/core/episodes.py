@@ -13,6 +13,7 @@ No IO, no torch: unit-tested in milliseconds.
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -30,9 +31,25 @@ def recorded_steps(ledger_state: dict[str, Any]) -> list[str]:
     )
 
 
-def step_id(ordinal: int, sample: int, turn: int) -> str:
-    """The id of a turn's environment step: the same on every attempt of the run."""
-    return f"{ordinal}:{sample}:{turn}"
+def step_id(ordinal: int, sample: int, turn: int, restarts: int = 0) -> str:
+    """The id of a turn's environment step: `ORDINAL:SAMPLE:TURN`, and `:RESTARTS` once a
+    resume started the episode over (`Episode.restarts`), so an id names one request on every
+    attempt of the run: the same id is the same turn with the same text."""
+    return f"{ordinal}:{sample}:{turn}" + (f":{restarts}" if restarts else "")
+
+
+def parse_step_id(sid: str) -> tuple[int, int, int, int]:
+    """(ordinal, sample, turn, restarts) of a step id."""
+    parts = [int(x) for x in sid.split(":")]
+    if len(parts) not in (3, 4):
+        raise ValueError(f"not a step id: {sid!r} (ORDINAL:SAMPLE:TURN[:RESTARTS])")
+    return parts[0], parts[1], parts[2], parts[3] if len(parts) == 4 else 0
+
+
+def text_sha256(text: str) -> str:
+    """The hash an assistant turn's text is known by in the steps log and the journals: the
+    first 16 hex digits of the SHA-256 of its UTF-8 bytes."""
+    return hashlib.sha256(text.encode("utf-8")).hexdigest()[:16]
 
 
 @dataclass(frozen=True)

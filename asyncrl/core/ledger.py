@@ -108,11 +108,8 @@ class Ledger:
         queue (the in-flight ordinals go out again, first); a lossy policy drops it — those
         ordinals are skipped — and re-plans the stream's targets from its cursor (the plan's
         discarded groups are the buffer's to delete)."""
-        if plan.policy == "lossless":
-            return
-        if plan.policy == "restart_episode":  # re-dispatched, started over
-            self.partials.clear()
-            return
+        if plan.policy in ("lossless", "restart_episode"):  # the episodes runner starts
+            return  # a restart_episode's over, under new step ids (EpisodeRunner.resume)
         self.redispatch.clear()
         self.partials.clear()
         self.stream.schedule.refill(self.stream.cursor, plan.fills, plan.next_target)
@@ -138,3 +135,10 @@ class Ledger:
             for k, p in state.get("partial", {}).items()
             if int(k) in queued
         }
+
+    def recovered(self, ordinal: int, partial: Partial) -> None:
+        """The queued ordinal's samples with the turns a resume recovered from the steps log
+        past its checkpoint (`EpisodeRunner.recover`)."""
+        if all(t.ordinal != ordinal for t in self.redispatch):
+            raise KeyError(f"ordinal {ordinal} is not queued for dispatch")
+        self.partials[ordinal] = partial

@@ -158,6 +158,43 @@ class Partial:
             episodes=self._with_episode(sample, episode),
         )
 
+    def with_turn(
+        self, sample: int, start: int, ids: list[int], logprobs: list[float], versions: list[int]
+    ) -> Partial:
+        """Sample `sample` with the policy's whole turn `ids` from token `start` (its
+        log-probs and weights versions, as sampled), whatever of it the sample held replaced,
+        and the turn ended (`finished`): a turn recovered from the steps log."""
+        n = start + len(ids)
+        width = max(int(self.tokens.shape[1]), n)
+        grown = [
+            torch.nn.functional.pad(t, (0, width - t.shape[1]), value=v)
+            for t, v in ((self.tokens, 0), (self.mask, False), (self.logprobs, 0.0),
+                         (self.versions, -1), (self.policy_mask, False))
+        ]  # fmt: skip
+        tokens, mask, logprob, version, policy = grown
+        for t, value in (
+            (tokens, 0),
+            (mask, False),
+            (logprob, 0.0),
+            (version, -1),
+            (policy, False),
+        ):
+            t[sample, start:] = value
+        tokens[sample, start:n] = torch.tensor(ids, dtype=torch.int64)
+        logprob[sample, start:n] = torch.tensor(logprobs, dtype=torch.float32)
+        version[sample, start:n] = torch.tensor(versions, dtype=torch.int64)
+        mask[sample, start:n] = True
+        policy[sample, start:n] = True
+        return replace(
+            self,
+            tokens=tokens,
+            mask=mask,
+            logprobs=logprob,
+            versions=version,
+            policy=None if self.policy is None else policy,
+            finished=self.finished.clone().index_fill_(0, torch.tensor([sample]), True),
+        )
+
     def with_episode(self, sample: int, episode: Episode, finished: bool) -> Partial:
         """Sample `sample` with its episode `episode`, finished (its episode done) or not."""
         return replace(

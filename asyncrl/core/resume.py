@@ -78,6 +78,9 @@ class ResumePlan:
     """Episodes' completed turns of the checkpoint's partial samples that the resume continues."""
     turns_regenerated: int = 0
     """... that it throws away (started over, or skipped by a lossy policy)."""
+    turns_recovered: int = 0
+    """Turns past the checkpoint that the steps log held (their steps were asked), put back
+    exactly as sampled instead of generated again (`EpisodeRunner.recover`)."""
     tool_calls_repeated: int = 0
     """Environment steps the checkpoint recorded that the resume makes again for the same
     episode (its turns started over: `restart_episode`, or an environment that can only

@@ -326,6 +326,7 @@ class Collector:
         with self._cond:
             saved = {t.ordinal: self.ledger.partials.get(t.ordinal) for t in tickets}
         partials = {t.ordinal: self._opened(t, saved[t.ordinal]) for t in tickets}
+        self._land_recovered(tickets, partials)
         wanted = {t.ordinal: self._wanted_version(t, partials[t.ordinal]) for t in tickets}
         seconds = dict.fromkeys(partials, 0.0)
         while open_tickets := [t for t in tickets if not partials[t.ordinal].done]:
@@ -361,14 +362,28 @@ class Collector:
         with self._cond:
             self._record_spans()  # the batch's last rows
 
+    def _land_recovered(self, tickets: list[PromptTicket], partials: dict[int, Partial]) -> None:
+        """Groups whose every episode the steps log recovered to its end (`EpisodeRunner.open`)
+        go to the buffer without an engine pass."""
+        done = [t for t in tickets if partials[t.ordinal].done]
+        if not done:
+            return
+        assert self.episodes is not None  # only recovered episodes open finished
+        for t in done:
+            self._scores[t.ordinal] = self.episodes.scores(partials[t.ordinal])
+        groups = [self._group(t, partials[t.ordinal], 0.0) for t in done]
+        with self._cond:
+            for g in groups:
+                self.buffer.add(g)
+                self.ledger.complete(g.ordinal)
+                self.episodes.forget(g.ordinal)
+
     def _opened(self, ticket: PromptTicket, saved: Partial | None) -> Partial:
         """The ticket's samples so far: its saved partial (a resumed or failed batch's), or
         none yet; episodes get their environments (reset, or restored from the partial)."""
         if self.episodes is None:
             return saved if saved is not None else Partial.empty(self.num_generations)
-        if saved is None:
-            return self.episodes.start(ticket, self.num_generations)
-        return self.episodes.resume(ticket, saved)
+        return self.episodes.open(ticket, saved, self.num_generations)
 
     def _prompt(self, ticket: PromptTicket) -> list[int]:
         if self.episodes is not None:
@@ -412,6 +427,8 @@ class Collector:
                     limits=() if p.limits is None else tuple(int(n) for n in p.limits),
                 )
             )
+        if self.episodes is not None:  # the ledger holds every step asked so far
+            self.episodes.mark()
         start = time.perf_counter()
         outputs = self.engine.generate(requests, version, self.chunk_tokens or None)
         starts, counts = [], []

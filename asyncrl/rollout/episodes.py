@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import copy
 import json
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -25,7 +25,7 @@ from transformers import PreTrainedTokenizerBase
 from asyncrl.checkpoint.restore import SKIP_RESTORE
 from asyncrl.checkpoint.snapshot import flatten_part
 from asyncrl.checkpoint.torn import end_torn_line
-from asyncrl.core.episodes import Episode, Message, step_id
+from asyncrl.core.episodes import Episode, Message, parse_step_id, step_id, text_sha256
 from asyncrl.core.partial import Partial
 from asyncrl.core.seeds import derived_seed
 from asyncrl.core.types import PromptTicket
@@ -58,8 +58,18 @@ class EpisodeRunner:
         max_episode_tokens: int,
         workdir: Path | None = None,
         steps_log: Path | None = None,
+        restart_on_resume: bool = False,
+        deterministic: bool = False,
     ) -> None:
         self.env_class = env_class
+        self.recover_tokens = not deterministic
+        """Turns past a checkpoint come back from the steps log as tokens (`recover`); in
+        deterministic mode they are generated again, bitwise the same (the engine's batches
+        are then the ones of the run without the kill), and their steps are answered from the
+        log (`_step`), their texts checked against it."""
+        self.starts_over = env_class.restore == "restart" or restart_on_resume
+        """A reopened episode with steps is started over, under new step ids (a `restart`
+        environment, or `checkpoint.resume_policy=restart_episode`); nothing is recovered."""
         self.workdir = workdir
         self.steps_log = steps_log
         """`RUN_DIR/env_steps.jsonl`: every environment step this run asked for, with the
@@ -79,6 +89,15 @@ class EpisodeRunner:
         self._envs: dict[tuple[int, int], Any] = {}
         self._prompts: dict[int, list[int]] = {}
         self._steps_opened = False
+        self._log_size = 0
+        self.log_mark = 0
+        """The steps log's size when the collector's state last held every step asked (`mark`):
+        a checkpoint cut taken now saves it, and its resume reads the log from there."""
+        self._requests: dict[str, dict[str, Any]] = {}  # step id -> its first request record
+        self._results: dict[str, dict[str, Any]] = {}  # step id -> its result record
+        self._restored: set[int] = set()  # ordinals the loaded log holds, not yet landed
+        self._stale: set[tuple[int, int]] = set()  # environments behind their episode
+        self._restored_offset = 0
 
     # --- the collector's calls
 
@@ -89,22 +108,46 @@ class EpisodeRunner:
         return self._prompts[ticket.ordinal]
 
     def start(self, ticket: PromptTicket, num_samples: int) -> Partial:
-        """New episodes for a group: an environment per sample, reset."""
-        episodes = [Episode(tuple(self._reset(ticket, i))) for i in range(num_samples)]
+        """New episodes for a group: an environment per sample, reset; under step ids the
+        steps log does not hold (a group started over after a kill counts a restart)."""
+        return self._started(ticket, num_samples, logged=False)
+
+    def _started(self, ticket: PromptTicket, num_samples: int, logged: bool) -> Partial:
+        """New episodes; `logged`: under the step ids of the log's (restart 0), to recover."""
+        episodes = [
+            Episode(tuple(self._reset(ticket, i)),
+                    restarts=0 if logged else self._restarts(ticket.ordinal, i, 0))
+            for i in range(num_samples)
+        ]  # fmt: skip
         self._set_prompt(ticket, [list(e.opening) for e in episodes])
         limit = min(self.max_new_tokens, self.max_episode_tokens)
         return Partial.episodes_started(episodes, limit)
 
+    def open(self, ticket: PromptTicket, saved: Partial | None, num_samples: int) -> Partial:
+        """A group's episodes as the collector dispatches it: its saved samples (None: none),
+        with the turns the steps log holds past them recovered (a failed batch's, or a
+        resume's), and live environments; new episodes where nothing was saved or logged."""
+        if saved is not None and saved.episodes is None:
+            raise EpisodeError(
+                f"ordinal {ticket.ordinal}: its saved samples have no episodes (a checkpoint of "
+                f"a run without env.name); resume it with env.name unset"
+            )
+        recovered, _ = self.recover(ticket, saved, num_samples)
+        if recovered is None:
+            return self.start(ticket, num_samples)
+        return self.resume(ticket, recovered)
+
     def resume(self, ticket: PromptTicket, partial: Partial) -> Partial:
         """A saved partial's episodes with live environments again (after a resume, or a
         failed batch): `restorable` ones loaded from the saved state, `replay` ones handed
-        their recorded turns, `restart` ones started over (counted)."""
+        their recorded turns, `restart` ones started over (counted); then a turn recovered
+        without its step's result (`recover`) gets its step, asked again with the same id and
+        text (an environment's step must be idempotent per id: docs/environments.md)."""
         if partial.episodes is None:
             raise EpisodeError(
                 f"ordinal {ticket.ordinal}: its saved samples have no episodes (a checkpoint of "
                 f"a run without env.name); resume it with env.name unset"
             )
-        kind = self.env_class.restore
         episodes = partial.episodes
         for i, episode in enumerate(episodes):
             env, _ = self._new_env(ticket, i)  # live ones may be past the saved state
@@ -112,19 +155,15 @@ class EpisodeRunner:
                 continue
             if "env_state" in SKIP_RESTORE:  # a test switch: the trainer reports it
                 continue
-            where = f"ordinal {ticket.ordinal} sample {i} after step {_last_step(episode)}"
-            if kind == "restorable" and episode.turns:
-                self._call(env.load_state_dict, "load_state_dict", where, episode.env_state)
-            elif kind == "replay" and episode.turns:
-                turns = [Turn(t["text"], t["step_id"], t["messages"], t["reward"], t["done"])
-                         for t in episode.turns]  # fmt: skip
-                self._call(env.replay, "replay", where, turns)
-            elif kind == "restart":  # counted in the resume plan
-                fresh = Episode(episode.opening, restarts=episode.restarts + 1)
+            if self.starts_over:  # counted in the resume plan; new ids, past the log's
+                restarts = self._restarts(ticket.ordinal, i, episode.restarts + 1)
+                fresh = Episode(episode.opening, restarts=restarts)
                 limit = fresh.limit(self.max_new_tokens, self.max_episode_tokens)
                 partial = partial.truncated(i, 0, limit, fresh)
+            else:
+                self._restore(env, ticket, i, episode)
         self._set_prompt(ticket, [list(e.opening) for e in episodes])
-        return partial
+        return self.advance(ticket, partial)
 
     def advance(self, ticket: PromptTicket, partial: Partial) -> Partial:
         """Every sample whose assistant turn just ended gets its environment's step: the
@@ -150,26 +189,119 @@ class EpisodeRunner:
         for key in [k for k in self._envs if k[0] == ordinal]:
             del self._envs[key]
         self._prompts.pop(ordinal, None)
+        self._restored.discard(ordinal)  # its steps are in the ledger's buffer now
 
     # --- one step
 
     def _step(self, ticket: PromptTicket, partial: Partial, i: int, episode: Episode) -> Partial:
+        """The environment's step for sample `i`'s ended turn: the request written ahead to
+        the steps log, the step asked, its result written after, then applied."""
         length = partial.lengths[i]
         ids = [int(x) for x in partial.tokens[i, episode.turn_start : length]]
-        ended_with_eos = bool(ids) and ids[-1] == self.eos_id
         text = str(self.tokenizer.decode(ids, skip_special_tokens=True))
-        sid = step_id(ticket.ordinal, i, episode.num_turns)
-        env = self._envs[(ticket.ordinal, i)]
+        sid = step_id(ticket.ordinal, i, episode.num_turns, episode.restarts)
+        logged = self._logged_answer(ticket, i, sid, text)
+        if logged is not None:
+            return self._answered(partial, i, episode, text, sid, *logged)
+        env = self._live_env(ticket, i, episode)
+        span = slice(episode.turn_start, length)
+        self._log({
+            "kind": "request",
+            "step_id": sid,
+            "attempt": self.attempt,
+            "text_sha256": text_sha256(text),
+            "start": episode.turn_start,
+            "tokens": ids,
+            "logprobs": [float(x) for x in partial.logprobs[i, span]],
+            "versions": [int(x) for x in partial.versions[i, span]],
+        })  # fmt: skip
         try:
             messages, reward, done = env.step(text, sid)
-            self._log_step(sid)
-            fault_point("episode.env_step")
         except Exception as err:
             raise EpisodeError(f"env.name={self.env_name}: step {sid} raised {err!r}") from err
+        fault_point("episode.env_answered")  # asked, its result not yet logged
         _check_messages(messages, f"env.name={self.env_name}: step {sid}")
         state = self._state(env, sid) if self.env_class.restore == "restorable" else None
+        result: dict[str, Any] = {
+            "kind": "result",
+            "step_id": sid,
+            "attempt": self.attempt,
+            "messages": [dict(m) for m in messages],
+            "reward": None if reward is None else float(reward),
+            "done": bool(done),
+        }
+        if state is not None and _is_json(state):  # else recovery asks the step again
+            result["state"] = state
+        self._log(result)
+        fault_point("episode.env_step")
+        return self._answered(partial, i, episode, text, sid, messages, reward, bool(done), state)
+
+    def _logged_answer(
+        self, ticket: PromptTicket, i: int, sid: str, text: str
+    ) -> tuple[list[Message], float | None, bool, Any] | None:
+        """The step's answer from the steps log, where a launch before this one asked it with
+        this text and logged the result (a `restorable` environment's state with it): the
+        environment is not asked again. The same id with other text is an `EpisodeError`:
+        one id, one request."""
+        request = self._requests.get(sid)
+        if request is None:
+            return None
+        if request.get("text_sha256") != text_sha256(text):
+            raise EpisodeError(
+                f"env.name={self.env_name}: step {sid} was asked before with another text "
+                f"(hash {request.get('text_sha256')}, now {text_sha256(text)}); a step id names "
+                "one request (a deterministic run that did not generate the same text?)"
+            )
+        result = self._results.get(sid)
+        restorable = self.env_class.restore == "restorable"
+        if result is None or (restorable and "state" not in result):
+            return None  # asked again: an environment's step is idempotent per id
+        self._stale.add((ticket.ordinal, i))  # its environment did not see this step
+        return result["messages"], result["reward"], bool(result["done"]), result.get("state")
+
+    def _live_env(self, ticket: PromptTicket, i: int, episode: Episode) -> Any:
+        """Sample `i`'s environment, brought up to its episode's last turn where steps were
+        answered from the log (restored or replayed, as on a resume)."""
+        if (ticket.ordinal, i) in self._stale:
+            self._stale.discard((ticket.ordinal, i))
+            env, _ = self._new_env(ticket, i)
+            if "env_state" not in SKIP_RESTORE:  # a test switch: the trainer reports it
+                self._restore(env, ticket, i, episode)
+        return self._envs[(ticket.ordinal, i)]
+
+    def _restore(self, env: Any, ticket: PromptTicket, i: int, episode: Episode) -> None:
+        """A fresh environment (reset) brought to the end of `episode`'s turns: its state
+        loaded (`restorable`) or its turns replayed (`replay`)."""
+        if not episode.turns:
+            return
+        where = f"ordinal {ticket.ordinal} sample {i} after step {_last_step(episode)}"
+        if self.env_class.restore == "restorable":
+            self._call(env.load_state_dict, "load_state_dict", where, episode.env_state)
+        elif self.env_class.restore == "replay":
+            turns = [Turn(t["text"], t["step_id"], t["messages"], t["reward"], t["done"])
+                     for t in episode.turns]  # fmt: skip
+            self._call(env.replay, "replay", where, turns)
+
+    def _answered(
+        self,
+        partial: Partial,
+        i: int,
+        episode: Episode,
+        text: str,
+        sid: str,
+        messages: list[Message],
+        reward: float | None,
+        done: bool,
+        state: Any,
+    ) -> Partial:
+        """Sample `i` with its ended turn answered: the environment's reply appended and the
+        next turn opened, or the episode ended (done, `env.max_turns`, or no room left)."""
+        length = partial.lengths[i]
+        ended_with_eos = length > episode.turn_start and int(partial.tokens[i, length - 1]) == (
+            self.eos_id
+        )
         episode = episode.after_step(
-            text, sid, episode.turn_start, length, messages, reward, bool(done), state
+            text, sid, episode.turn_start, length, messages, reward, done, state
         )
         reply: list[int] = []
         if not episode.done and episode.num_turns < self.max_turns:
@@ -209,9 +341,12 @@ class EpisodeRunner:
                 "bool, None) and torch tensors"
             ) from err
 
-    def _log_step(self, sid: str) -> None:
-        """Appends the step to the steps log (flushed: a SIGKILL loses at most a torn line,
-        which the first append of the next launch cuts off, as `JsonlLog` does the records')."""
+    def _log(self, record: dict[str, Any]) -> None:
+        """Appends a record to the steps log, flushed (a SIGKILL loses at most a torn line,
+        which the first append of the next launch cuts off, as `JsonlLog` does the records'),
+        and to this launch's index of what it asked since the collector's last consistent
+        point (`mark`)."""
+        self._index(record)
         if self.steps_log is None:
             return
         if not self._steps_opened:
@@ -219,7 +354,120 @@ class EpisodeRunner:
             end_torn_line(self.steps_log)
             self._steps_opened = True
         with open(self.steps_log, "a") as f:
-            f.write(json.dumps({"step_id": sid, "attempt": self.attempt}) + "\n")
+            f.write(json.dumps(record, separators=(",", ":")) + "\n")
+            self._log_size = f.tell()
+
+    def _index(self, record: dict[str, Any]) -> None:
+        kind = record.get("kind")
+        if kind == "request":
+            self._requests.setdefault(str(record["step_id"]), record)
+        elif kind == "result":
+            self._results.setdefault(str(record["step_id"]), record)
+
+    # --- the write-ahead log
+
+    def mark(self) -> None:
+        """The collector's state holds every step asked so far (its ledger and buffer were
+        updated under its lock): a checkpoint cut from here on needs the steps log only from
+        this point (`log_mark`), or from where a resume loaded it while an ordinal it holds
+        has not been reopened; the rest of the index is no longer needed."""
+        if self._restored:
+            self.log_mark = self._restored_offset
+            keep = self._restored
+            for index in (self._requests, self._results):
+                for sid in [k for k in index if parse_step_id(k)[0] not in keep]:
+                    del index[sid]
+            return
+        self.log_mark = self._log_size
+        self._requests.clear()
+        self._results.clear()
+
+    def load_log(self, offset: int, reopened: Callable[[int], bool]) -> None:
+        """A resume's index of requests and results: the steps log from byte `offset` (its
+        checkpoint's `log_mark`: the steps its cut may not hold), of the ordinals a run will
+        open again (`reopened`: re-dispatched, or not yet handed out at the checkpoint). A
+        torn last line (a kill mid-write) is no record."""
+        self._requests.clear()
+        self._results.clear()
+        self._restored = set()
+        if self.steps_log is None or not self.steps_log.exists():
+            return
+        with open(self.steps_log, "rb") as f:
+            self._log_size = f.seek(0, 2)
+            f.seek(min(offset, self._log_size))
+            data = f.read()
+        for line in data.split(b"\n")[:-1]:  # the last piece: empty, or a torn line
+            try:
+                record = json.loads(line)
+            except ValueError:
+                continue  # a line torn by a kill and ended by a later launch's first append
+            if isinstance(record, dict) and reopened(parse_step_id(str(record["step_id"]))[0]):
+                self._index(record)
+        self._restored = {parse_step_id(k)[0] for k in self._requests}
+        self._restored_offset = offset
+        self.log_mark = offset if self._restored else self._log_size
+
+    def logged_steps(self) -> set[str]:
+        """The steps the loaded log asked (of the ordinals a run opens again), each a turn
+        that comes back from the log rather than being asked again, unless its episode starts
+        over (none then)."""
+        return set() if self.starts_over else set(self._requests)
+
+    def _restarts(self, ordinal: int, sample: int, at_least: int) -> int:
+        """A restart count for an episode started over, at least `at_least`, past every one
+        the loaded log asked steps under (its ids are new)."""
+        logged = [
+            r for o, s, _, r in map(parse_step_id, self._requests) if (o, s) == (ordinal, sample)
+        ]
+        return max([at_least, *(r + 1 for r in logged)])
+
+    def recover(
+        self, ticket: PromptTicket, partial: Partial | None, num_samples: int
+    ) -> tuple[Partial | None, int]:
+        """The ticket's samples with the turns the steps log holds past `partial` (its saved
+        samples; None: none were saved) put back exactly as they were sampled, and how many.
+        A turn whose step's result was logged is answered from the log (the environment is
+        not asked); one whose result was not is left ended and unanswered, and `resume` asks
+        its step again, with the same id and the same text. Turns the log does not hold are
+        generated again (their steps were never asked)."""
+        if (
+            self.starts_over
+            or not self.recover_tokens
+            or not any(parse_step_id(k)[0] == ticket.ordinal for k in self._requests)
+        ):
+            return partial, 0  # episodes that start over do so under new step ids
+        if partial is None:
+            partial = self._started(ticket, num_samples, logged=True)
+        assert partial.episodes is not None
+        count = 0
+        for i in range(partial.num_samples):
+            while not partial.episodes[i].ended:
+                episode = partial.episodes[i]
+                sid = step_id(ticket.ordinal, i, episode.num_turns, episode.restarts)
+                request = self._requests.get(sid)
+                if request is None or int(request["start"]) != episode.turn_start:
+                    break
+                have = [int(x) for x in partial.tokens[i, episode.turn_start : partial.lengths[i]]]
+                ids = [int(x) for x in request["tokens"]]
+                if ids[: len(have)] != have:
+                    raise EpisodeError(
+                        f"env.name={self.env_name}: the steps log's request for step {sid} "
+                        f"does not continue the checkpoint's tokens of that turn"
+                    )
+                partial = partial.with_turn(
+                    i, episode.turn_start, ids, request["logprobs"], request["versions"]
+                )
+                count += 1
+                result = self._results.get(sid)
+                restorable = self.env_class.restore == "restorable"
+                if result is None or (restorable and "state" not in result):
+                    break  # asked again by `resume`
+                text = str(self.tokenizer.decode(ids, skip_special_tokens=True))
+                partial = self._answered(
+                    partial, i, episode, text, sid, result["messages"], result["reward"],
+                    bool(result["done"]), result.get("state"),
+                )  # fmt: skip
+        return partial, count
 
     # --- environments and rendering
 
@@ -316,6 +564,14 @@ def turn_end_id(tokenizer: PreTrainedTokenizerBase, eos_id: int) -> int:
 
 def _last_step(episode: Episode) -> str:
     return str(episode.turns[-1]["step_id"]) if episode.turns else "none"
+
+
+def _is_json(value: Any) -> bool:
+    try:
+        json.dumps(value)
+    except (TypeError, ValueError):
+        return False
+    return True
 
 
 def _check_messages(messages: Any, where: str) -> None:

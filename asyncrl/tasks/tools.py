@@ -9,10 +9,12 @@ gets a reminder. The calculator evaluates `+ - * / ( )` and numbers, nothing els
 AST, never `eval`).
 
 Every tool call is made at most once per `step_id`: the environment keeps a journal
-(`RUN_DIR/env/calculator.jsonl`, one JSON line per call, fsynced before the result is used),
-and a step whose id is in it returns the recorded result instead of calling again — what an
-environment with real side effects (a paid API, a write) needs, since a step made after the
-last checkpoint is asked again, with the same id, after a kill. It restores by `replay`.
+(`RUN_DIR/env/calculator.jsonl`, one JSON line per call with the hash of the assistant text
+that made it, fsynced before the result is used), and a step whose id is in it returns the
+recorded result instead of calling again — what an environment with real side effects (a paid
+API, a write) needs, since the step in flight at a kill is asked again, with the same id and
+text, after it. The same id with other text is an error, never a stale answer. It restores by
+`replay`.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ import threading
 from pathlib import Path
 from typing import Any, ClassVar
 
+from asyncrl.core.episodes import text_sha256
 from asyncrl.tasks.environments import RestoreKind, StepResult, Turn
 from asyncrl.tasks.examples import Example, Message
 
@@ -77,6 +80,7 @@ class Journal:
     def __init__(self, path: Path) -> None:
         self.path = path
         self.results: dict[str, str] = {}
+        self.texts: dict[str, str] = {}  # step id -> the text hash it was called for
         if not path.exists():
             return
         data = path.read_bytes()
@@ -88,20 +92,32 @@ class Journal:
         for line in data.decode().splitlines():
             row = json.loads(line)
             self.results.setdefault(row["step_id"], row["result"])
+            if "text_sha256" in row:  # journals of older versions have no hash
+                self.texts.setdefault(row["step_id"], row["text_sha256"])
 
-    def call(self, step_id: str, expression: str) -> str:
-        """The recorded result of `step_id`, or the calculator's, journaled first."""
+    def call(self, step_id: str, expression: str, text_hash: str) -> str:
+        """The recorded result of `step_id`, or the calculator's, journaled first. Keyed by
+        the step id and the hash of the assistant text that asked (`text_sha256`): the same id
+        asked with other text is an error, never the other text's answer."""
         with self._lock:
             if step_id in self.results:
+                known = self.texts.get(step_id, text_hash)
+                if known != text_hash:
+                    raise ValueError(
+                        f"step {step_id} was journaled for a text with hash {known}, and is "
+                        f"asked again with other text (hash {text_hash}): one id, one request"
+                    )
                 return self.results[step_id]
             result = calculate(expression)
             self.path.parent.mkdir(parents=True, exist_ok=True)
+            row = {"step_id": step_id, "text_sha256": text_hash, "expression": expression,
+                   "result": result}  # fmt: skip
             with open(self.path, "a") as f:
-                f.write(json.dumps({"step_id": step_id, "expression": expression,
-                                    "result": result}) + "\n")  # fmt: skip
+                f.write(json.dumps(row) + "\n")
                 f.flush()
                 os.fsync(f.fileno())
             self.results[step_id] = result
+            self.texts[step_id] = text_hash
             return result
 
 
@@ -134,7 +150,9 @@ class Calculator:
         if calls and "\\boxed" not in assistant_text:
             expression = calls[-1]
             result = (
-                self.journal.call(step_id, expression) if self.journal else calculate(expression)
+                self.journal.call(step_id, expression, text_sha256(assistant_text))
+                if self.journal
+                else calculate(expression)
             )
             return StepResult([{"role": "user", "content": f"<result>{result}</result>"}], None,
                               False)  # fmt: skip

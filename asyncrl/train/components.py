@@ -196,6 +196,8 @@ def _episode_runner(
         env.max_episode_tokens,
         Path(run_dir) / ENV_DIR if run_dir else None,
         Path(run_dir) / ENV_STEPS if run_dir else None,
+        restart_on_resume=config.checkpoint.resume_policy == "restart_episode",
+        deterministic=config.run.deterministic,
     )
 
 

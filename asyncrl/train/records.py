@@ -196,6 +196,7 @@ def plan_fields(
     turns = {
         "turns_kept": plan.turns_kept,
         "turns_regenerated": plan.turns_regenerated,
+        "turns_recovered": plan.turns_recovered,
         "tool_calls_repeated": plan.tool_calls_repeated,
         "tokens_regenerated": plan.regenerated_tokens,
     }

@@ -50,6 +50,7 @@ from asyncrl.faults import cut_facts, fault_point
 from asyncrl.models.device import dtype_line, model_device
 from asyncrl.models.lora import check_base, checkpoint_part, save_final
 from asyncrl.rollout.collector import Chunk, GenerationFailed
+from asyncrl.rollout.episodes import EpisodeRunner
 from asyncrl.rollout.evaluation import eval_line, is_eval_record
 from asyncrl.tasks.environments import environment_class
 from asyncrl.train.components import build_components
@@ -132,6 +133,7 @@ class Trainer:
         self.continued: dict[int, tuple[list[int], list[bool]]] = {}
         self.recorded_steps: list[str] = []
         self._cut_steps: list[str] | None = None
+        self._env_steps_offset = 0
         self._start_s = time.perf_counter()
         self.staging = StagingArea(
             {"auto": None, "keep": True, "release": False}[config.checkpoint.staging_buffer]
@@ -173,6 +175,8 @@ class Trainer:
             "wall_s": self._wall_s,
             "eval_data": self.parts.evaluator.identity if self.parts.evaluator else None,
             "base_sha256": self.parts.policy.base_sha256,  # None without LoRA
+            # where a resume reads the steps log from: the steps this cut may not hold
+            "env_steps_offset": episodes.log_mark if (episodes := self._episodes()) else None,
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -181,6 +185,10 @@ class Trainer:
         self.last_saved_step = self.step
         if state.get("wall_s") is not None:  # else (older checkpoints) the records are scanned
             self._wall_s = float(state["wall_s"])
+        self._env_steps_offset = int(state.get("env_steps_offset") or 0)
+
+    def _episodes(self) -> EpisodeRunner | None:
+        return self.parts.collector.episodes
 
     def capture(self) -> tuple[Cut, float]:
         """The run's consistent cut, staged into this trainer's reused buffers (the parts of
@@ -215,8 +223,30 @@ class Trainer:
         plan = plan_resume(saved, self.config.checkpoint.resume_policy, restarts)
         ledger.apply(plan)
         buffer.discard(plan.discarded)
+        if (episodes := self._episodes()) is not None:
+            plan.turns_recovered = self._recover_turns(episodes)
         self._publish_weights(self.step)
         return plan
+
+    def _recover_turns(self, episodes: EpisodeRunner) -> int:
+        """Puts the turns the steps log holds past the checkpoint (from its offset) back into
+        the ledger's queued samples, before any is dispatched (so the next checkpoint's cut
+        holds them and its offset can start later); returns how many."""
+        ledger = self.parts.ledger
+        queued = {t.ordinal for t in ledger.redispatch}
+        cursor = self.parts.stream.cursor  # ordinals from here were not handed out yet
+        episodes.load_log(self._env_steps_offset, lambda k: k in queued or k >= cursor)
+        for ticket in list(ledger.redispatch):
+            saved = ledger.partials.get(ticket.ordinal)
+            partial, n = episodes.recover(
+                ticket, saved, self.config.rollout.num_generations_per_prompt
+            )
+            if partial is not None and n:
+                ledger.recovered(ticket.ordinal, partial)
+        # every turn the log asked past the cut: recovered now (re-dispatched groups), when the
+        # stream reaches it (groups handed out after the checkpoint), or in deterministic mode
+        # generated again and answered from the log
+        return len(episodes.logged_steps() - set(self.recorded_steps))
 
     def resume(self) -> None:
         """Loads the run dir's newest verified checkpoint, if any, and records the resume."""

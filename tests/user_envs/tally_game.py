@@ -5,8 +5,8 @@ The episode keeps a running tally: it starts at a digit drawn from the episode's
 turn adds the digits of the assistant's text and one more draw of the environment's RNG, mod
 10, and the environment answers with the new tally. After 3 turns it ends with reward
 tally / 9 (so an environment restored wrong changes the reward, even on the last turn). Every
-step is written to the journal `$TALLY_JOURNAL` (`PID STEP_ID` a line): the tests read which
-process called which step.
+step is written to the journal `$TALLY_JOURNAL` (`PID STEP_ID TEXT_SHA256` a line): the tests
+read which process called which step, with which text.
 
 Three classes, one per way of coming back after a resume: `Tally` replays its recorded turns
 (checking each against what it would have answered), `TallyState` saves its state, and
@@ -15,16 +15,18 @@ Three classes, one per way of coming back after a resume: `Tally` replays its re
 
 from __future__ import annotations
 
+import hashlib
 import os
 import random
 from typing import Any
 
 
-def _journal(step_id: str) -> None:
+def _journal(step_id: str, text: str) -> None:
     path = os.environ.get("TALLY_JOURNAL")
     if path:
+        sha = hashlib.sha256(text.encode("utf-8")).hexdigest()[:16]
         with open(path, "a") as f:
-            f.write(f"{os.getpid()} {step_id}\n")
+            f.write(f"{os.getpid()} {step_id} {sha}\n")
 
 
 class Tally:
@@ -47,7 +49,7 @@ class Tally:
         return ([] if done else [{"role": "user", "content": str(self.tally)}]), reward, done
 
     def step(self, text: str, step_id: str) -> tuple[list[dict[str, str]], float | None, bool]:
-        _journal(step_id)
+        _journal(step_id, text)
         return self._advance(text)
 
     def replay(self, turns: list[Any]) -> None:
