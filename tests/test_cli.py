@@ -49,7 +49,7 @@ FROZEN_CONFIG_KEYS = [
     "algo.adam_epsilon", "algo.loss_aggregation", "algo.max_grad_norm", "algo.clip_eps",
     "algo.kl_coef", "algo.kl_estimator", "algo.entropy_coef",
     # the `grpo` algorithm's own keys (asyncrl/config/algos.py GRPOOptions)
-    "algo.scale_rewards", "algo.mismatch_tis_cap",
+    "algo.scale_rewards", "algo.mismatch_tis_cap", "algo.skip_zero_variance_groups",
     # the `ppo` algorithm's own keys (asyncrl/config/algos.py PPOOptions)
     "algo.kl_in_reward", "algo.gamma",
     "algo.lam", "algo.normalize_advantages", "algo.ppo_epochs", "algo.num_minibatches",
