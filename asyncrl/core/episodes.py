@@ -18,6 +18,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 Message = dict[str, str]
+"""A chat message, `{"role": ..., "content": ...}` (defined here once; `asyncrl.tasks` uses it)."""
 
 
 def recorded_steps(ledger_state: dict[str, Any]) -> list[str]:

@@ -151,6 +151,7 @@ class EpisodeRunner:
         episodes = partial.episodes
         for i, episode in enumerate(episodes):
             env, _ = self._new_env(ticket, i)  # live ones may be past the saved state
+            self._stale.discard((ticket.ordinal, i))
             if episode.ended or not (episode.turns or partial.lengths[i]):
                 continue
             if "env_state" in SKIP_RESTORE:  # a test switch: the trainer reports it
@@ -188,6 +189,7 @@ class EpisodeRunner:
         """The group landed: its environments are no longer needed."""
         for key in [k for k in self._envs if k[0] == ordinal]:
             del self._envs[key]
+            self._stale.discard(key)
         self._prompts.pop(ordinal, None)
         self._restored.discard(ordinal)  # its steps are in the ledger's buffer now
 

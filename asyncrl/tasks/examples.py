@@ -9,9 +9,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from asyncrl.core.episodes import Message
 from asyncrl.tasks.reward_calls import resolve_reward_fn
 
-Message = dict[str, str]
+__all__ = ["Example", "Message"]
 
 
 @dataclass(frozen=True)
