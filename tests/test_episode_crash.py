@@ -207,6 +207,8 @@ def test_what_each_resume_policy_and_restore_kind_redoes(
         assert not called_again
         assert (event["turns_regenerated"], event["tool_calls_repeated"]) == (0, 0)
         assert event["turns_kept"] > 0
+        # inspect read the steps log past the cut: the turns the resume then recovered
+        assert info["steps_past_checkpoint"]["logged"] == event["turns_recovered"] > 0
     for key in ("turns_regenerated", "tool_calls_repeated", "turns_kept"):
         assert predicted[key] == event[key], (key, predicted, event)
     assert audit_run_dir(run).ok

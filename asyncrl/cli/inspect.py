@@ -3,6 +3,7 @@ each resume policy — the seed's "what one checkpoint costs you" table, for thi
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -50,9 +51,40 @@ def inspect_run_dir(run_dir: Path) -> dict[str, Any]:
         "env_name": env_name,
         "env_restore": restore,
         "episodes_in_flight": {str(k): v for k, v in sorted(episodes.items())},
+        "steps_past_checkpoint": _steps_past(run_dir, parts["trainer"], episodes)
+        if env_name
+        else None,
         "resume_cost": {policy: _cost(saved, policy, restore == "restart") for policy in POLICIES},
         "rejected": rejected,
     }
+
+
+def _steps_past(
+    run_dir: Path, trainer: dict[str, Any], episodes: dict[int, list[dict[str, Any]]]
+) -> dict[str, int]:
+    """The steps the run's steps log asked past the checkpoint's cut (read from its saved
+    offset): `logged`, each a turn a resume recovers instead of generating again (unless its
+    episode starts over), of which `unanswered` have no logged result (the kill came inside
+    the step: asked again with the same id and text)."""
+    path = run_dir / "env_steps.jsonl"
+    held = {s for samples in episodes.values() for e in samples for s in e["step_ids"]}
+    asked: set[str] = set()
+    answered: set[str] = set()
+    if path.exists():
+        with open(path, "rb") as f:
+            f.seek(int(trainer.get("env_steps_offset") or 0))
+            lines = f.read().split(b"\n")[:-1]  # a torn last line is no record
+        for line in lines:
+            try:
+                record = json.loads(line)
+            except ValueError:
+                continue
+            sid = str(record.get("step_id"))
+            if record.get("kind") == "request" and sid not in held:
+                asked.add(sid)
+            elif record.get("kind") == "result":
+                answered.add(sid)
+    return {"logged": len(asked), "unanswered": len(asked - answered)}
 
 
 def _restore_kind(env_name: str) -> str | None:
@@ -186,6 +218,13 @@ def render(info: dict[str, Any]) -> None:
                 for e in samples
             )
             console.print(f"  ordinal {k}: {listed}")
+    past = info.get("steps_past_checkpoint")
+    if past:
+        console.print(
+            f"steps log past the checkpoint: {past['logged']} environment steps asked, their "
+            f"turns recovered on resume rather than generated again ({past['unanswered']} "
+            "without a logged result: asked again with the same id and text)"
+        )
     costs = Table(title="what resuming this checkpoint costs")
     columns: tuple[str, ...] = (
         "policy", "prompts skipped", "finished groups discarded", "groups regenerated",
