@@ -18,8 +18,10 @@ I3, I4 held in 100%` or names the first violation (exit 1).
 `--episodes`: the multi-turn shape (`configs/multi_turn_game.yaml` with the test suite's user
 environment `tests/user_envs/tally_game.py:TallyState`, 3 turns an episode), and I9 checked
 too: every resume event says `turns_regenerated=0 tool_calls_repeated=0
-tokens_regenerated=0`, and the environment's journal shows that no launch called a step the
-checkpoint it resumed from had recorded.
+tokens_regenerated=0`, the environment's journal shows that no launch called a step the
+checkpoint it resumed from had recorded, and over each whole run that no step was asked with
+two texts and at most one step per kill was executed twice (the one in flight at the kill;
+the steps log recovers the turns past the checkpoint).
 """
 
 from __future__ import annotations
@@ -222,6 +224,29 @@ def check_run(run_dir: Path) -> None:
         raise ChaosViolation(format_report(report, run_dir))
 
 
+def check_journal(run_dir: Path, kills: int) -> tuple[int, int]:
+    """I9 over a whole run from the environment's own journal (`PID STEP_ID TEXT_SHA256` a
+    line): no step asked with two texts, and at most one step executed twice per kill (the
+    one in flight at it). Returns (steps executed, steps executed more than once)."""
+    path = journal(run_dir)
+    rows = [line.split() for line in path.read_text().splitlines()] if path.exists() else []
+    texts: dict[str, set[str]] = {}
+    count: dict[str, int] = {}
+    for _, sid, *sha in rows:
+        texts.setdefault(sid, set()).update(sha)
+        count[sid] = count.get(sid, 0) + 1
+    two = sorted(s for s, t in texts.items() if len(t) > 1)
+    if two:
+        raise ChaosViolation(f"I9: {run_dir}: steps asked with two texts: {two[:5]}")
+    twice = sum(1 for n in count.values() if n > 1)
+    if twice > kills:
+        raise ChaosViolation(
+            f"I9: {run_dir}: {twice} steps executed more than once over {kills} kills (at most "
+            "the one in flight at each kill may be)"
+        )
+    return len(count), twice
+
+
 def run_chaos(  # type: ignore[no-untyped-def]
     trials: int,
     root: Path,
@@ -239,7 +264,16 @@ def run_chaos(  # type: ignore[no-untyped-def]
     rng = random.Random(seed)
     extra = extra or []
     shape = Shape(episodes)
-    runs, kills = 0, 0
+    runs, kills, run_kills = 0, 0, 0
+    executed, twice = 0, 0
+
+    def finished(run_dir: Path) -> None:
+        nonlocal executed, twice
+        check_run(run_dir)
+        if shape.episodes:
+            steps, again = check_journal(run_dir, run_kills)
+            executed, twice = executed + steps, twice + again
+
     while kills < trials:
         run_dir = root / f"run{runs}"
         new_steps = rng.randint(*STEPS_PER_LAUNCH)
@@ -247,20 +281,24 @@ def run_chaos(  # type: ignore[no-untyped-def]
         kill_at = None if fault else (new_steps, delay_s)
         if launch_and_check(run_dir, kill_at, extra, fault, shape):
             kills += 1
+            run_kills += 1
             if kills % 10 == 0:
                 log(f"chaos: {kills}/{trials} kills, {runs + 1} runs")
             continue
-        check_run(run_dir)  # finished during the chaos
+        finished(run_dir)  # finished during the chaos
         runs += 1
+        run_kills = 0
     run_dir = root / f"run{runs}"
     launch_and_check(run_dir, None, extra, shape=shape)
-    check_run(run_dir)
+    finished(run_dir)
     events = [e for i in range(runs + 1) for e in resumes(root / f"run{i}")]
     resumed = sum(1 for e in events if e["from_step"] > 0)
     turns_kept = sum(e.get("turns_kept", 0) for e in events)
     continued = sum(1 for e in events if e.get("turns_kept", 0) > 0)
+    recovered = sum(e.get("turns_recovered", 0) for e in events)
     return {"kills": kills, "runs": runs + 1, "resumed": resumed, "turns_kept": turns_kept,
-            "episode_resumes": continued}  # fmt: skip
+            "episode_resumes": continued, "turns_recovered": recovered,
+            "steps_executed": executed, "steps_executed_twice": twice}  # fmt: skip
 
 
 def main() -> None:
@@ -296,7 +334,10 @@ def main() -> None:
     shape = " on the multi-turn shape" if args.episodes else ""
     episodes = (
         f", {result['episode_resumes']} of them continuing episodes in flight "
-        f"({result['turns_kept']} turns kept, none redone)" if args.episodes else ""
+        f"({result['turns_kept']} turns kept, none redone; {result['turns_recovered']} turns "
+        f"past the checkpoints recovered from the steps log; the environment executed "
+        f"{result['steps_executed_twice']} of {result['steps_executed']} steps twice)"
+        if args.episodes else ""
     )  # fmt: skip
     print(
         f"chaos: {result['kills']} kills over {result['runs']} runs at random moments{shape} "

@@ -260,6 +260,8 @@ class Trainer:
         if self.run.latest is None:
             if self.attempt:
                 print(f"asyncrl: no verified checkpoint; from step 0 (attempt {self.attempt})")
+                if (episodes := self._episodes()) is not None:  # the steps asked before the
+                    episodes.load_log(0, lambda ordinal: True)  # kill: recovered, not redone
             return
         start = time.perf_counter()
         refuse_other_data(self.run, self.parts.stream, self.state_dict(), self.config)  # I8
