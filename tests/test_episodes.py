@@ -41,7 +41,7 @@ def test_an_episode_records_its_turns_and_round_trips_through_json():
     assert e.reward == pytest.approx(0.8) and e.num_turns == 2 and e.done
     assert [m["content"] for m in e.history()] == ["2-6=", "4", "+", "5"]
     assert Episode.from_state(e.state_dict()) == e
-    assert e.turns[1]["step_id"] == "7:1:1"
+    assert e.turns[1].step_id == "7:1:1"
 
 
 def test_a_reply_is_appended_as_tokens_the_policy_did_not_sample():

@@ -122,7 +122,7 @@ def test_a_step_whose_result_was_not_logged_is_asked_again_with_the_same_text(po
     opened = second.open(TICKET, saved, 2)
     assert Tally.asked == [("0:0:0", "33"), ("0:0:0", "33")]  # same id, same text
     assert rows(opened, 0)[0][:3] == rows(oracle, 0)[0][:3]  # the turn; its reply is new
-    assert opened.episodes[0].turns[0]["step_id"] == "0:0:0"
+    assert opened.episodes[0].turns[0].step_id == "0:0:0"
     kinds = [json.loads(x).get("kind") for x in log.read_text().splitlines() if x.endswith("}")]
     assert kinds == ["request", "request", "result"]  # the torn result was cut off first
 

@@ -15,10 +15,49 @@ from __future__ import annotations
 
 import hashlib
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import Any, NamedTuple
 
 Message = dict[str, str]
 """A chat message, `{"role": ..., "content": ...}` (defined here once; `asyncrl.tasks` uses it)."""
+
+
+class Turn(NamedTuple):
+    """One answered assistant turn: what an episode records and what `replay` is handed
+    (`asyncrl.tasks.environments.Turn` is this type)."""
+
+    assistant_text: str
+    step_id: str
+    messages: list[Message]
+    """The environment's answer (empty when done)."""
+    reward: float | None
+    done: bool
+    start: int = 0
+    """Where the turn's assistant tokens begin in the sample (tokens after the prompt)."""
+    end: int = 0
+    """... and where they end (exclusive)."""
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "text": self.assistant_text,
+            "step_id": self.step_id,
+            "messages": [dict(m) for m in self.messages],
+            "reward": self.reward,
+            "done": self.done,
+            "start": self.start,
+            "end": self.end,
+        }
+
+    @classmethod
+    def from_state(cls, state: dict[str, Any]) -> Turn:
+        return cls(
+            str(state["text"]),
+            str(state["step_id"]),
+            [dict(m) for m in state["messages"]],
+            None if state["reward"] is None else float(state["reward"]),
+            bool(state["done"]),
+            int(state["start"]),
+            int(state["end"]),
+        )
 
 
 def recorded_steps(ledger_state: dict[str, Any]) -> list[str]:
@@ -59,9 +98,8 @@ class Episode:
     """The messages `reset` opened the episode with (rendered as the group's prompt)."""
     turn_start: int = 0
     """The sample's length (tokens after the prompt) where the current assistant turn began."""
-    turns: tuple[dict[str, Any], ...] = ()
-    """Each completed turn: `{"text", "step_id", "messages", "reward", "done", "start",
-    "end"}` (the assistant tokens of the turn are `[start, end)` of the sample)."""
+    turns: tuple[Turn, ...] = ()
+    """Each completed turn (its assistant tokens are `[start, end)` of the sample)."""
     done: bool = False
     """The environment said the episode is done (its last step's `done`)."""
     env_state: Any = None
@@ -78,7 +116,7 @@ class Episode:
     @property
     def reward(self) -> float:
         """The episode's reward: the sum of its turns' rewards (None counts 0)."""
-        return float(sum(t["reward"] or 0.0 for t in self.turns))
+        return float(sum(t.reward or 0.0 for t in self.turns))
 
     @property
     def num_turns(self) -> int:
@@ -101,30 +139,23 @@ class Episode:
     ) -> Episode:
         """This episode with the turn `[start, end)` (text `text`) answered by the
         environment's step `sid`."""
-        turn = {
-            "text": text,
-            "step_id": sid,
-            "messages": [dict(m) for m in messages],
-            "reward": None if reward is None else float(reward),
-            "done": bool(done),
-            "start": start,
-            "end": end,
-        }
+        reward = None if reward is None else float(reward)
+        turn = Turn(text, sid, [dict(m) for m in messages], reward, bool(done), start, end)
         return replace(self, turns=(*self.turns, turn), done=done, env_state=env_state, ended=done)
 
     def history(self) -> list[Message]:
         """Every message so far: the opening, then each turn's assistant text and replies."""
         out = [dict(m) for m in self.opening]
         for t in self.turns:
-            out.append({"role": "assistant", "content": t["text"]})
-            out.extend(dict(m) for m in t["messages"])
+            out.append({"role": "assistant", "content": t.assistant_text})
+            out.extend(dict(m) for m in t.messages)
         return out
 
     def state_dict(self) -> dict[str, Any]:
         return {
             "opening": [dict(m) for m in self.opening],
             "turn_start": self.turn_start,
-            "turns": [dict(t) for t in self.turns],
+            "turns": [t.state_dict() for t in self.turns],
             "done": self.done,
             "env_state": self.env_state,
             "restarts": self.restarts,
@@ -145,7 +176,7 @@ class Episode:
         return cls(
             opening=tuple(dict(m) for m in state["opening"]),
             turn_start=int(state["turn_start"]),
-            turns=tuple(dict(t) for t in state["turns"]),
+            turns=tuple(Turn.from_state(t) for t in state["turns"]),
             done=bool(state["done"]),
             env_state=state.get("env_state"),
             restarts=int(state.get("restarts", 0)),

@@ -31,7 +31,7 @@ from asyncrl.core.seeds import derived_seed
 from asyncrl.core.types import PromptTicket
 from asyncrl.faults import fault_point
 from asyncrl.rollout.scorer import Scored
-from asyncrl.tasks.environments import Environment, Turn
+from asyncrl.tasks.environments import Environment
 from asyncrl.tasks.examples import Example
 
 
@@ -280,9 +280,7 @@ class EpisodeRunner:
         if self.env_class.restore == "restorable":
             self._call(env.load_state_dict, "load_state_dict", where, episode.env_state)
         elif self.env_class.restore == "replay":
-            turns = [Turn(t["text"], t["step_id"], t["messages"], t["reward"], t["done"])
-                     for t in episode.turns]  # fmt: skip
-            self._call(env.replay, "replay", where, turns)
+            self._call(env.replay, "replay", where, list(episode.turns))
 
     def _answered(
         self,
@@ -565,7 +563,7 @@ def turn_end_id(tokenizer: PreTrainedTokenizerBase, eos_id: int) -> int:
 
 
 def _last_step(episode: Episode) -> str:
-    return str(episode.turns[-1]["step_id"]) if episode.turns else "none"
+    return episode.turns[-1].step_id if episode.turns else "none"
 
 
 def _is_json(value: Any) -> bool:

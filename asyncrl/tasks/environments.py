@@ -9,8 +9,9 @@ class says how a resumed run gets an episode's environment back (`restore`):
   tensors, never pickle: DESIGN.md I7) and given back with `load_state_dict(state)` after a
   `reset(example, seed)`;
 - `replay`: deterministic given its seed and the history: after `reset(example, seed)` it is
-  handed the recorded turns, `replay(turns)` (each `(assistant_text, step_id, messages,
-  reward, done)`), and rebuilds its state without acting again;
+  handed the recorded turns, `replay(turns)` (each a `Turn`: `assistant_text`, `step_id`,
+  `messages`, `reward`, `done`, and where its tokens are, `start`, `end`), and rebuilds its
+  state without acting again;
 - `restart`: neither: the episode starts over (counted in the resume event).
 
 `step_id` is `"ORDINAL:SAMPLE:TURN"`, the same on every attempt, so an environment whose steps
@@ -26,7 +27,10 @@ import importlib
 from typing import ClassVar, Literal, NamedTuple, Protocol
 
 from asyncrl.config import BUILTIN_ENVIRONMENTS, ConfigError
+from asyncrl.core.episodes import Turn
 from asyncrl.tasks.examples import Example, Message
+
+__all__ = ["Environment", "StepResult", "Turn", "environment_class"]
 
 RestoreKind = Literal["restorable", "replay", "restart"]
 RESTORE_KINDS: tuple[str, ...] = ("restorable", "replay", "restart")
@@ -37,16 +41,6 @@ class StepResult(NamedTuple):
     """What the environment says next (empty when done)."""
     reward: float | None
     """A reward for this turn, or None; the episode's reward is the sum of its turns'."""
-    done: bool
-
-
-class Turn(NamedTuple):
-    """One recorded turn, as `replay` gets it."""
-
-    assistant_text: str
-    step_id: str
-    messages: list[Message]
-    reward: float | None
     done: bool
 
 
