@@ -8,7 +8,7 @@ RUN_DIR ?= runs/demo-$(NOW)
 # a demo's run dir: RUN_DIR when given (command line or environment), else runs/NAME-TIME
 demo_dir = $(if $(filter command line environment,$(origin RUN_DIR)),$(RUN_DIR),runs/$(1)-$(NOW))
 
-.PHONY: setup demo math-demo smol-demo multi-turn-demo calculator-demo ppo-demo rloo-demo test test-fast lint bench bench-algos bench-ray bench-scale bench-lora bench-lora-curve bench-vllm-lora bench-deferral bench-reward bench-engines bench-records bench-rank-messages bench-smol bench-floor bench-attention gpu-check chaos docs clean
+.PHONY: setup demo math-demo smol-demo multi-turn-demo calculator-demo ppo-demo rloo-demo test test-fast lint bench bench-algos bench-ray bench-scale bench-lora bench-lora-curve bench-vllm-lora bench-deferral bench-reward bench-engines bench-records bench-rank-messages bench-smol bench-calculator bench-floor bench-attention gpu-check chaos docs clean
 
 setup: $(STAMP)
 
@@ -107,6 +107,11 @@ bench-deferral: setup
 # the real model learns: make smol-demo's run on seeds 0, 1, 2 (~25 min each on 2 Xeon cores with AMX)
 bench-smol: setup
 	$(BIN)/python benchmarks/smol.py
+
+# the calculator tool on the real model: reward and the share of episodes calling the tool, per
+# 10 steps (make calculator-demo's run)
+bench-calculator: setup
+	$(BIN)/python benchmarks/calculator_curve.py --plot docs/img/calculator_curve.png
 
 # the real model's step against this CPU's floor (its matrix products alone, timed here): 6 steps
 # of configs/smol_math.yaml, then `floor: train_x=A gen_x=B step_s=S floor_s=F dtype=D cpu=FLAGS`
