@@ -202,3 +202,19 @@ def test_audit_names_more_than_one_step_past_the_cut_asked_again(tmp_path):
 def test_audit_names_a_journaled_call_for_a_text_the_log_did_not_ask(tmp_path):
     (found,) = audit_log(tmp_path, [("0:0:0", 0, "a")], journal=[("0:0:0", "z")])
     assert "tool.jsonl executed step 0:0:0 for a text (hash z)" in found
+
+
+def test_a_torn_last_line_does_not_move_the_offset_past_the_next_record(policy, tmp_path):
+    """A resume's log ends in a line torn by the kill, which its first append cuts off: the
+    offset a checkpoint then saves must be where that append starts, not past it."""
+    log, _, _, _ = checkpoint_then_step(policy, tmp_path)
+    whole = log.read_bytes()
+    log.write_bytes(whole + b'{"kind": "requ')  # killed mid-write
+    second = runner(policy, log)
+    second.load_log(len(whole), lambda k: True)
+    second.mark()
+    assert second.log_mark == len(whole)
+    first_pass(policy, second, second.start(TICKET, 2))  # asks 0:0:0: appended after the cut
+    third = runner(policy, log)
+    third.load_log(second.log_mark, lambda k: True)
+    assert third.logged_steps() == {"0:0:0"}

@@ -393,10 +393,13 @@ class EpisodeRunner:
         if self.steps_log is None or not self.steps_log.exists():
             return
         with open(self.steps_log, "rb") as f:
-            self._log_size = f.seek(0, 2)
-            f.seek(min(offset, self._log_size))
+            size = f.seek(0, 2)
+            f.seek(min(offset, size))
             data = f.read()
-        for line in data.split(b"\n")[:-1]:  # the last piece: empty, or a torn line
+        pieces = data.split(b"\n")
+        # the last piece: empty, or a torn line that this launch's first append cuts off
+        self._log_size = size - len(pieces[-1])
+        for line in pieces[:-1]:
             try:
                 record = json.loads(line)
             except ValueError:
