@@ -18,6 +18,9 @@ import torch
 
 from asyncrl.core.episodes import Episode
 
+PADDING = (0, False, 0.0, -1, False)
+"""What pads tokens, mask, log-probs, versions and the policy mask past a sample's end."""
+
 
 @dataclass(frozen=True)
 class Partial:
@@ -137,13 +140,7 @@ class Partial:
         """Sample `sample` with the environment's reply `ids` appended (not the policy's: no
         log-prob, version -1), its episode `episode`, and its next turn stopping at `limit`."""
         n, a = self.lengths[sample], len(ids)
-        width = max(int(self.tokens.shape[1]), n + a)
-        grown = [
-            torch.nn.functional.pad(t, (0, width - t.shape[1]), value=v)
-            for t, v in ((self.tokens, 0), (self.mask, False), (self.logprobs, 0.0),
-                         (self.versions, -1), (self.policy_mask, False))
-        ]  # fmt: skip
-        tokens, mask, logprobs, versions, policy = grown
+        tokens, mask, logprobs, versions, policy = self._grown(n + a)
         tokens[sample, n : n + a] = torch.tensor(ids, dtype=torch.int64)
         mask[sample, n : n + a] = True
         return replace(
@@ -165,20 +162,8 @@ class Partial:
         log-probs and weights versions, as sampled), whatever of it the sample held replaced,
         and the turn ended (`finished`): a turn recovered from the steps log."""
         n = start + len(ids)
-        width = max(int(self.tokens.shape[1]), n)
-        grown = [
-            torch.nn.functional.pad(t, (0, width - t.shape[1]), value=v)
-            for t, v in ((self.tokens, 0), (self.mask, False), (self.logprobs, 0.0),
-                         (self.versions, -1), (self.policy_mask, False))
-        ]  # fmt: skip
-        tokens, mask, logprob, version, policy = grown
-        for t, value in (
-            (tokens, 0),
-            (mask, False),
-            (logprob, 0.0),
-            (version, -1),
-            (policy, False),
-        ):
+        tokens, mask, logprob, version, policy = self._grown(n)
+        for t, value in zip((tokens, mask, logprob, version, policy), PADDING, strict=True):
             t[sample, start:] = value
         tokens[sample, start:n] = torch.tensor(ids, dtype=torch.int64)
         logprob[sample, start:n] = torch.tensor(logprobs, dtype=torch.float32)
@@ -220,6 +205,16 @@ class Partial:
             limits=self._limits().index_fill_(0, torch.tensor([sample]), limit),
             episodes=self._with_episode(sample, episode),
         )
+
+    def _grown(self, length: int) -> list[torch.Tensor]:
+        """Copies of tokens, mask, log-probs, versions and the policy mask, at least `length`
+        wide (padded with `PADDING`)."""
+        width = max(int(self.tokens.shape[1]), length)
+        tensors = (self.tokens, self.mask, self.logprobs, self.versions, self.policy_mask)
+        return [
+            torch.nn.functional.pad(t, (0, width - t.shape[1]), value=v)
+            for t, v in zip(tensors, PADDING, strict=True)
+        ]
 
     def _limits(self) -> torch.Tensor:
         if self.limits is None:
