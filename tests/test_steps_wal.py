@@ -77,8 +77,8 @@ def checkpoint_then_step(policy, tmp_path, env=Tally):
     log = tmp_path / "env_steps.jsonl"
     first = runner(policy, log, env)
     saved = first.start(TICKET, 2)
-    first.mark()
-    offset = first.log_mark
+    first.log.mark()
+    offset = first.log.log_mark
     after = first_pass(policy, first, saved)
     return log, Partial.from_state(saved.state_dict()), offset, after
 
@@ -95,7 +95,7 @@ def test_a_turn_stepped_after_the_checkpoint_comes_back_exactly_and_is_not_asked
     log, saved, offset, oracle = checkpoint_then_step(policy, tmp_path)
     assert Tally.asked == [("0:0:0", "33")]
     second = runner(policy, log)  # the next launch
-    second.load_log(offset, lambda k: True)
+    second.log.load(offset, lambda k: True)
     recovered, count = second.recover(TICKET, saved, 2)
     assert count == 1
     assert rows(recovered, 0) == rows(oracle, 0)  # tokens, log-probs, versions, reply
@@ -116,7 +116,7 @@ def test_a_step_whose_result_was_not_logged_is_asked_again_with_the_same_text(po
     assert [json.loads(x)["kind"] for x in lines] == ["request", "result"]
     log.write_text(lines[0] + "\n" + lines[1][:9])  # killed in the step, mid-result
     second = runner(policy, log)
-    second.load_log(offset, lambda k: True)
+    second.log.load(offset, lambda k: True)
     recovered, count = second.recover(TICKET, saved, 2)
     assert count == 1 and bool(recovered.finished[0]) and not recovered.episodes[0].turns
     opened = second.open(TICKET, saved, 2)
@@ -130,7 +130,7 @@ def test_a_step_whose_result_was_not_logged_is_asked_again_with_the_same_text(po
 def test_an_environment_that_can_only_restart_recovers_nothing(policy, tmp_path):
     log, saved, offset, _ = checkpoint_then_step(policy, tmp_path, Restarting)
     second = runner(policy, log, Restarting)
-    second.load_log(offset, lambda k: True)
+    second.log.load(offset, lambda k: True)
     assert second.recover(TICKET, saved, 2) == (saved, 0)
 
 
@@ -140,7 +140,7 @@ def test_a_request_that_does_not_continue_the_saved_tokens_is_an_error(policy, t
     one = torch.tensor([[eos], [0]])
     other = saved.extend(one, one == eos, torch.zeros(2, 1), 0, torch.tensor([False, False]))
     second = runner(policy, log)
-    second.load_log(offset, lambda k: True)
+    second.log.load(offset, lambda k: True)
     with pytest.raises(EpisodeError, match="0:0:0 does not continue"):
         second.recover(TICKET, other, 2)
 
@@ -148,10 +148,10 @@ def test_a_request_that_does_not_continue_the_saved_tokens_is_an_error(policy, t
 def test_a_group_with_no_saved_samples_is_recovered_from_its_start(policy, tmp_path):
     log, _, offset, oracle = checkpoint_then_step(policy, tmp_path)
     second = runner(policy, log)
-    second.load_log(offset, lambda k: True)
+    second.log.load(offset, lambda k: True)
     recovered, count = second.recover(TICKET, None, 2)
     assert count == 1 and rows(recovered, 0) == rows(oracle, 0)
-    second.load_log(log.stat().st_size, lambda k: True)  # from the end: nothing to recover
+    second.log.load(log.stat().st_size, lambda k: True)  # from the end: nothing to recover
     assert second.recover(TICKET, None, 2) == (None, 0)
 
 
@@ -211,10 +211,10 @@ def test_a_torn_last_line_does_not_move_the_offset_past_the_next_record(policy, 
     whole = log.read_bytes()
     log.write_bytes(whole + b'{"kind": "requ')  # killed mid-write
     second = runner(policy, log)
-    second.load_log(len(whole), lambda k: True)
-    second.mark()
-    assert second.log_mark == len(whole)
+    second.log.load(len(whole), lambda k: True)
+    second.log.mark()
+    assert second.log.log_mark == len(whole)
     first_pass(policy, second, second.start(TICKET, 2))  # asks 0:0:0: appended after the cut
     third = runner(policy, log)
-    third.load_log(second.log_mark, lambda k: True)
+    third.log.load(second.log.log_mark, lambda k: True)
     assert third.logged_steps() == {"0:0:0"}

@@ -428,7 +428,7 @@ class Collector:
                 )
             )
         if self.episodes is not None:  # the ledger holds every step asked so far
-            self.episodes.mark()
+            self.episodes.log.mark()
         start = time.perf_counter()
         outputs = self.engine.generate(requests, version, self.chunk_tokens or None)
         starts, counts = [], []

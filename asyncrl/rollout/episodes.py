@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import copy
 import json
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -24,13 +24,13 @@ from transformers import PreTrainedTokenizerBase
 
 from asyncrl.checkpoint.restore import SKIP_RESTORE
 from asyncrl.checkpoint.snapshot import flatten_part
-from asyncrl.checkpoint.torn import end_torn_line
 from asyncrl.core.episodes import Episode, Message, parse_step_id, step_id, text_sha256
 from asyncrl.core.partial import Partial
 from asyncrl.core.seeds import derived_seed
 from asyncrl.core.types import PromptTicket
 from asyncrl.faults import fault_point
 from asyncrl.rollout.scorer import Scored
+from asyncrl.rollout.steps_log import StepsLog
 from asyncrl.tasks.environments import Environment
 from asyncrl.tasks.examples import Example
 
@@ -71,10 +71,6 @@ class EpisodeRunner:
         """A reopened episode with steps is started over, under new step ids (a `restart`
         environment, or `checkpoint.resume_policy=restart_episode`); nothing is recovered."""
         self.workdir = workdir
-        self.steps_log = steps_log
-        """`RUN_DIR/env_steps.jsonl`: every environment step this run asked for, with the
-        launch's attempt (what `audit` checks I9 from)."""
-        self.attempt = 0  # the trainer sets its own
         self.env_name = env_name
         self.examples = examples
         self.tokenizer = tokenizer
@@ -88,16 +84,8 @@ class EpisodeRunner:
             self.eos_id = turn_end_id(tokenizer, eos_id)
         self._envs: dict[tuple[int, int], Any] = {}
         self._prompts: dict[int, list[int]] = {}
-        self._steps_opened = False
-        self._log_size = 0
-        self.log_mark = 0
-        """The steps log's size when the collector's state last held every step asked (`mark`):
-        a checkpoint cut taken now saves it, and its resume reads the log from there."""
-        self._requests: dict[str, dict[str, Any]] = {}  # step id -> its first request record
-        self._results: dict[str, dict[str, Any]] = {}  # step id -> its result record
-        self._restored: set[int] = set()  # ordinals the loaded log holds, not yet landed
+        self.log = StepsLog(steps_log)  # the write-ahead log of the steps
         self._stale: set[tuple[int, int]] = set()  # environments behind their episode
-        self._restored_offset = 0
 
     # --- the collector's calls
 
@@ -116,7 +104,7 @@ class EpisodeRunner:
         """New episodes; `logged`: under the step ids of the log's (restart 0), to recover."""
         episodes = [
             Episode(tuple(self._reset(ticket, i)),
-                    restarts=0 if logged else self._restarts(ticket.ordinal, i, 0))
+                    restarts=0 if logged else self.log.restarts(ticket.ordinal, i, 0))
             for i in range(num_samples)
         ]  # fmt: skip
         self._set_prompt(ticket, [list(e.opening) for e in episodes])
@@ -157,7 +145,7 @@ class EpisodeRunner:
             if "env_state" in SKIP_RESTORE:  # a test switch: the trainer reports it
                 continue
             if self.starts_over:  # counted in the resume plan; new ids, past the log's
-                restarts = self._restarts(ticket.ordinal, i, episode.restarts + 1)
+                restarts = self.log.restarts(ticket.ordinal, i, episode.restarts + 1)
                 fresh = Episode(episode.opening, restarts=restarts)
                 limit = fresh.limit(self.max_new_tokens, self.max_episode_tokens)
                 partial = partial.truncated(i, 0, limit, fresh)
@@ -191,7 +179,7 @@ class EpisodeRunner:
             del self._envs[key]
             self._stale.discard(key)
         self._prompts.pop(ordinal, None)
-        self._restored.discard(ordinal)  # its steps are in the ledger's buffer now
+        self.log.restored.discard(ordinal)  # its steps are in the ledger's buffer now
 
     # --- one step
 
@@ -207,10 +195,10 @@ class EpisodeRunner:
             return self._answered(partial, i, episode, text, sid, *logged)
         env = self._live_env(ticket, i, episode)
         span = slice(episode.turn_start, length)
-        self._log({
+        self.log.append({
             "kind": "request",
             "step_id": sid,
-            "attempt": self.attempt,
+            "attempt": self.log.attempt,
             "text_sha256": text_sha256(text),
             "start": episode.turn_start,
             "tokens": ids,
@@ -227,14 +215,14 @@ class EpisodeRunner:
         result: dict[str, Any] = {
             "kind": "result",
             "step_id": sid,
-            "attempt": self.attempt,
+            "attempt": self.log.attempt,
             "messages": [dict(m) for m in messages],
             "reward": None if reward is None else float(reward),
             "done": bool(done),
         }
         if state is not None and _is_json(state):  # else recovery asks the step again
             result["state"] = state
-        self._log(result)
+        self.log.append(result)
         fault_point("episode.env_step")
         return self._answered(partial, i, episode, text, sid, messages, reward, bool(done), state)
 
@@ -245,7 +233,7 @@ class EpisodeRunner:
         this text and logged the result (a `restorable` environment's state with it): the
         environment is not asked again. The same id with other text is an `EpisodeError`:
         one id, one request."""
-        request = self._requests.get(sid)
+        request = self.log.requests.get(sid)
         if request is None:
             return None
         if request.get("text_sha256") != text_sha256(text):
@@ -254,7 +242,7 @@ class EpisodeRunner:
                 f"(hash {request.get('text_sha256')}, now {text_sha256(text)}); a step id names "
                 "one request (a deterministic run that did not generate the same text?)"
             )
-        result = self._results.get(sid)
+        result = self.log.results.get(sid)
         restorable = self.env_class.restore == "restorable"
         if result is None or (restorable and "state" not in result):
             return None  # asked again: an environment's step is idempotent per id
@@ -341,88 +329,11 @@ class EpisodeRunner:
                 "bool, None) and torch tensors"
             ) from err
 
-    def _log(self, record: dict[str, Any]) -> None:
-        """Appends a record to the steps log, flushed (a SIGKILL loses at most a torn line,
-        which the first append of the next launch cuts off, as `JsonlLog` does the records'),
-        and to this launch's index of what it asked since the collector's last consistent
-        point (`mark`)."""
-        self._index(record)
-        if self.steps_log is None:
-            return
-        if not self._steps_opened:
-            self.steps_log.parent.mkdir(parents=True, exist_ok=True)
-            end_torn_line(self.steps_log)
-            self._steps_opened = True
-        with open(self.steps_log, "a") as f:
-            f.write(json.dumps(record, separators=(",", ":")) + "\n")
-            self._log_size = f.tell()
-
-    def _index(self, record: dict[str, Any]) -> None:
-        kind = record.get("kind")
-        if kind == "request":
-            self._requests.setdefault(str(record["step_id"]), record)
-        elif kind == "result":
-            self._results.setdefault(str(record["step_id"]), record)
-
-    # --- the write-ahead log
-
-    def mark(self) -> None:
-        """The collector's state holds every step asked so far (its ledger and buffer were
-        updated under its lock): a checkpoint cut from here on needs the steps log only from
-        this point (`log_mark`), or from where a resume loaded it while an ordinal it holds
-        has not been reopened; the rest of the index is no longer needed."""
-        if self._restored:
-            self.log_mark = self._restored_offset
-            keep = self._restored
-            for index in (self._requests, self._results):
-                for sid in [k for k in index if parse_step_id(k)[0] not in keep]:
-                    del index[sid]
-            return
-        self.log_mark = self._log_size
-        self._requests.clear()
-        self._results.clear()
-
-    def load_log(self, offset: int, reopened: Callable[[int], bool]) -> None:
-        """A resume's index of requests and results: the steps log from byte `offset` (its
-        checkpoint's `log_mark`: the steps its cut may not hold), of the ordinals a run will
-        open again (`reopened`: re-dispatched, or not yet handed out at the checkpoint). A
-        torn last line (a kill mid-write) is no record."""
-        self._requests.clear()
-        self._results.clear()
-        self._restored = set()
-        if self.steps_log is None or not self.steps_log.exists():
-            return
-        with open(self.steps_log, "rb") as f:
-            size = f.seek(0, 2)
-            f.seek(min(offset, size))
-            data = f.read()
-        pieces = data.split(b"\n")
-        # the last piece: empty, or a torn line that this launch's first append cuts off
-        self._log_size = size - len(pieces[-1])
-        for line in pieces[:-1]:
-            try:
-                record = json.loads(line)
-            except ValueError:
-                continue  # a line torn by a kill and ended by a later launch's first append
-            if isinstance(record, dict) and reopened(parse_step_id(str(record["step_id"]))[0]):
-                self._index(record)
-        self._restored = {parse_step_id(k)[0] for k in self._requests}
-        self._restored_offset = offset
-        self.log_mark = offset if self._restored else self._log_size
-
     def logged_steps(self) -> set[str]:
         """The steps the loaded log asked (of the ordinals a run opens again), each a turn
         that comes back from the log rather than being asked again, unless its episode starts
         over (none then)."""
-        return set() if self.starts_over else set(self._requests)
-
-    def _restarts(self, ordinal: int, sample: int, at_least: int) -> int:
-        """A restart count for an episode started over, at least `at_least`, past every one
-        the loaded log asked steps under (its ids are new)."""
-        logged = [
-            r for o, s, _, r in map(parse_step_id, self._requests) if (o, s) == (ordinal, sample)
-        ]
-        return max([at_least, *(r + 1 for r in logged)])
+        return set() if self.starts_over else set(self.log.requests)
 
     def recover(
         self, ticket: PromptTicket, partial: Partial | None, num_samples: int
@@ -436,7 +347,7 @@ class EpisodeRunner:
         if (
             self.starts_over
             or not self.recover_tokens
-            or not any(parse_step_id(k)[0] == ticket.ordinal for k in self._requests)
+            or not any(parse_step_id(k)[0] == ticket.ordinal for k in self.log.requests)
         ):
             return partial, 0  # episodes that start over do so under new step ids
         if partial is None:
@@ -447,7 +358,7 @@ class EpisodeRunner:
             while not partial.episodes[i].ended:
                 episode = partial.episodes[i]
                 sid = step_id(ticket.ordinal, i, episode.num_turns, episode.restarts)
-                request = self._requests.get(sid)
+                request = self.log.requests.get(sid)
                 if request is None or int(request["start"]) != episode.turn_start:
                     break
                 have = [int(x) for x in partial.tokens[i, episode.turn_start : partial.lengths[i]]]
@@ -461,7 +372,7 @@ class EpisodeRunner:
                     i, episode.turn_start, ids, request["logprobs"], request["versions"]
                 )
                 count += 1
-                result = self._results.get(sid)
+                result = self.log.results.get(sid)
                 restorable = self.env_class.restore == "restorable"
                 if result is None or (restorable and "state" not in result):
                     break  # asked again by `resume`

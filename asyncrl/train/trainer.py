@@ -127,7 +127,7 @@ class Trainer:
         self.step = 0
         self.attempt = run.attempt
         if self.parts.collector.episodes is not None:  # its steps log names the attempt
-            self.parts.collector.episodes.attempt = self.attempt
+            self.parts.collector.episodes.log.attempt = self.attempt
         self.last_saved_step = -1
         self._wall_s: float | None = None  # `wall_s` of the last step record; a resume's offset
         self.continued: dict[int, tuple[list[int], list[bool]]] = {}
@@ -176,7 +176,7 @@ class Trainer:
             "eval_data": self.parts.evaluator.identity if self.parts.evaluator else None,
             "base_sha256": self.parts.policy.base_sha256,  # None without LoRA
             # where a resume reads the steps log from: the steps this cut may not hold
-            "env_steps_offset": episodes.log_mark if (episodes := self._episodes()) else None,
+            "env_steps_offset": episodes.log.log_mark if (episodes := self._episodes()) else None,
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -235,7 +235,7 @@ class Trainer:
         ledger = self.parts.ledger
         queued = {t.ordinal for t in ledger.redispatch}
         cursor = self.parts.stream.cursor  # ordinals from here were not handed out yet
-        episodes.load_log(self._env_steps_offset, lambda k: k in queued or k >= cursor)
+        episodes.log.load(self._env_steps_offset, lambda k: k in queued or k >= cursor)
         for ticket in list(ledger.redispatch):
             saved = ledger.partials.get(ticket.ordinal)
             partial, n = episodes.recover(
@@ -261,7 +261,7 @@ class Trainer:
             if self.attempt:
                 print(f"asyncrl: no verified checkpoint; from step 0 (attempt {self.attempt})")
                 if (episodes := self._episodes()) is not None:  # the steps asked before the
-                    episodes.load_log(0, lambda ordinal: True)  # kill: recovered, not redone
+                    episodes.log.load(0, lambda ordinal: True)  # kill: recovered, not redone
             return
         start = time.perf_counter()
         refuse_other_data(self.run, self.parts.stream, self.state_dict(), self.config)  # I8
