@@ -11,8 +11,10 @@ this process, on the model's own weights:
 
 - **training**: each `nn.Linear` of the model multiplied forward ([T, in] x [in, out]) and
   backward (the input's gradient and the weight's), in the dtype `train.dtype` resolves to,
-  where T is the step's real token count: every prompt and completion token through the body,
-  the completion tokens alone through the output layer; plus causal attention (its FLOPs at the
+  where T is the step's real token count over the rows it trained (with
+  `algo.skip_zero_variance_groups`, the groups of `skipped_ordinals` are left out): every
+  prompt and completion token through the body, the completion tokens alone through the
+  output layer; plus causal attention (its FLOPs at the
   rate the body's products reached);
 - **generation**: per generate call of the run's timeline, each prompt prefilled once (the
   output layer at its last position only), then one decode pass per token with only the
@@ -63,6 +65,7 @@ ROOT = Path(__file__).resolve().parents[1]
 CONFIG = ROOT / "configs/smol_math.yaml"
 SCALE_ROWS = 2048
 """Products over more rows are timed at this many and scaled (see `Floor._scaled`)."""
+VERBS = {"train": "trained", "generate": "generated"}
 FLAGS = ("avx2", "avx512f", "avx512_bf16", "amx_bf16")
 
 
@@ -212,10 +215,18 @@ def train_part(run: Path, steps: list[dict[str, Any]], lengths: list[int], floor
     spans = completions_by_ordinal(run)
     for record in steps:
         rows = []
+        skipped = set(record.get("skipped_ordinals", ()))
         for ordinal, index in zip(
             record["prompt_ordinals"], record["dataset_indices"], strict=True
         ):
-            rows += [(lengths[index], n) for n in spans[ordinal]]
+            if ordinal not in skipped:
+                rows += [(lengths[index], n) for n in spans[ordinal]]
+        if "trained_rows" in record and len(rows) != record["trained_rows"]:
+            raise SystemExit(
+                f"{run}: step {record['step']} trained {record['trained_rows']:.0f} rows but "
+                f"its groups less `skipped_ordinals` have {len(rows)} (a run from before the "
+                "record named the groups left out?)"
+            )
         body_rows = sum(p + c for p, c in rows)
         head_rows = sum(c for _, c in rows)
         tokens += head_rows
@@ -389,7 +400,7 @@ def main(argv: list[str] | None = None) -> None:
             f"  {part.name:9s} measured {part.measured_s:7.2f} s  floor {part.floor_s:7.2f} s  "
             f"x{part.ratio:5.2f}   {part.flops / 1e12:6.2f} TFLOP at "
             f"{part.flops / part.floor_s / 1e9:6.1f} GFLOP/s floor "
-            f"({part.tokens} completion tokens a step)"
+            f"({part.tokens} completion tokens {VERBS[part.name]} a step)"
         )
     train, gen = parts
     floor_s = max(train.floor_s, gen.floor_s)

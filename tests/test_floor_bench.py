@@ -12,7 +12,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-from floor import Floor, Shapes, completions_by_ordinal, generate_part
+from floor import Floor, Shapes, completions_by_ordinal, generate_part, train_part
 
 H, INTER, LAYERS, HEADS, KV, VOCAB = 16, 32, 2, 4, 2, 50
 
@@ -66,3 +66,31 @@ def test_a_groups_completion_is_summed_over_its_chunks(tmp_path):
     ]
     (tmp_path / "timeline.jsonl").write_text("".join(json.dumps(s) + "\n" for s in spans))
     assert completions_by_ordinal(tmp_path) == {0: [7, 4], 1: [4, 2]}
+
+
+class RowCountingFloor(Floor):
+    """A training product "takes" a second per row."""
+
+    def training_s(self, weights: list[torch.Tensor], rows: int) -> float:
+        return float(rows)
+
+
+def test_the_training_floor_counts_only_the_rows_trained(tmp_path):
+    spans = [{"kind": "generate", "ordinals": [0, 1], "token_counts": [[4, 4], [3, 5]]}]
+    (tmp_path / "timeline.jsonl").write_text("".join(json.dumps(s) + "\n" for s in spans))
+    floor = RowCountingFloor(Shapes.of(tiny()), torch.float32, repeats=1)
+    step = {"step": 0, "train_s": 1.0, "prompt_ordinals": [0, 1], "dataset_indices": [0, 1]}
+    lengths = [10, 20]  # prompt tokens of dataset rows 0 and 1
+    whole = train_part(tmp_path, [step], lengths, floor)
+    assert whole.tokens == 16
+    skipping = {**step, "trained_rows": 2.0, "skipped_ordinals": [0]}
+    part = train_part(tmp_path, [skipping], lengths, floor)
+    assert part.tokens == 8  # group 1's completions alone
+    # body rows 2 x 20 + 8, head rows 8, plus attention at the body's rate: rows of 23 and 25
+    shapes = floor.shapes
+    attention = floor.attention_flops(23 * 24 / 2 + 25 * 26 / 2) / shapes.linear_flops(
+        shapes.body, 1
+    )
+    assert part.floor_s == pytest.approx(48 + 8 + attention)
+    with pytest.raises(SystemExit, match="trained 4 rows"):
+        train_part(tmp_path, [{**skipping, "trained_rows": 4.0}], lengths, floor)

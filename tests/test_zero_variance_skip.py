@@ -19,6 +19,7 @@ from test_micro_batches import groups as groups
 
 from asyncrl.config import ConfigError
 from asyncrl.train.components import build_components
+from asyncrl.train.records import step_record
 
 NO_REGULARISERS = ("algo.kl_coef=0", "algo.entropy_coef=0")
 SKIP = "algo.skip_zero_variance_groups=true"
@@ -87,3 +88,14 @@ def test_a_step_of_uniform_groups_changes_no_weight_and_still_counts(groups):
 def test_ppo_has_no_such_key():
     with pytest.raises(ConfigError, match="skip_zero_variance_groups"):
         small_config("algo.name=ppo", SKIP)
+
+
+def test_the_step_record_names_the_groups_left_out(groups):
+    """`skipped_ordinals` in metrics.jsonl: what `benchmarks/floor.py` leaves out of the
+    training floor. The groups' ordinals are 0, 1, 2; the middle one has spread."""
+    one_varied = with_rewards(groups, [[0.0] * 4, [0.0, 1.0, 0.0, 0.0], [0.5] * 4])
+    _, metrics = rows_through_the_model(one_varied, SKIP)
+    record = step_record(3, 0, one_varied, metrics)
+    assert record["skipped_ordinals"] == [one_varied[0].ordinal, one_varied[2].ordinal]
+    _, whole = rows_through_the_model(one_varied)  # the control: nothing left out, no field
+    assert "skipped_ordinals" not in step_record(3, 0, one_varied, whole)

@@ -55,6 +55,12 @@ if TYPE_CHECKING:
     from asyncrl.models.policy import Policy
 
 
+def varied_groups(rewards: torch.Tensor) -> torch.Tensor:
+    """[N] bool of the [N, G] `rewards`: the groups whose rewards are not all equal, those
+    `algo.skip_zero_variance_groups` trains."""
+    return rewards.std(dim=1, unbiased=False) > 0
+
+
 class GRPO:
     name: ClassVar[str] = "grpo"
     Options: ClassVar[type] = GRPOOptions
@@ -163,8 +169,7 @@ class GRPO:
         (ascending indices, so a group's rows stay together)."""
         if not getattr(self.config.options, "skip_zero_variance_groups", False):
             return slice(None)
-        varied = rewards.std(dim=1, unbiased=False) > 0  # [N]
-        return varied.repeat_interleave(rewards.shape[1]).nonzero().flatten()
+        return varied_groups(rewards).repeat_interleave(rewards.shape[1]).nonzero().flatten()
 
     def _metrics(
         self,

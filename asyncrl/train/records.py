@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import orjson
 
+from asyncrl.algos.grpo import varied_groups
 from asyncrl.checkpoint.torn import end_torn_line, is_torn
 from asyncrl.config import LoggingConfig
 from asyncrl.core.types import Group
@@ -261,8 +262,18 @@ def step_record(
         "token_staleness_mean": token_staleness(step, groups),
         "mixed_version_groups": sum(1 for g in groups if g.version_min != g.version_max),
         **reward_components(groups),
+        **skipped_ordinals(groups, rest),
         **rest,
     }
+
+
+def skipped_ordinals(groups: list[Group], metrics: dict[str, float]) -> dict[str, list[int]]:
+    """`skipped_ordinals`: with `algo.skip_zero_variance_groups` (the algorithm then reports
+    `trained_rows`), the groups its passes left out, those whose rewards are all equal."""
+    if "trained_rows" not in metrics:
+        return {}
+    left_out = [g.ordinal for g in groups if not bool(varied_groups(g.rewards.reshape(1, -1)))]
+    return {"skipped_ordinals": left_out}
 
 
 def reward_components(groups: list[Group]) -> dict[str, float]:
