@@ -13,9 +13,10 @@ import pytest
 import torch
 from helpers import groups_of, read_records, small_config
 
+from asyncrl.algos.update import ReferencePolicy, stack_groups
 from asyncrl.cli.audit import audit_run_dir
 from asyncrl.config import ConfigError
-from asyncrl.models.device import resolve_device
+from asyncrl.models.device import autocast, resolve_device
 from asyncrl.train.components import build_components
 from asyncrl.train.trainer import train
 
@@ -80,6 +81,28 @@ def test_mixed_precision_computes_in_bf16_and_keeps_fp32_master_weights():
     assert {p.dtype for p in bf16.policy.model.parameters()} == {torch.float32}
     moments = [t for s in bf16.algo.optimizer.state.values() for t in s.values() if t.dim()]
     assert moments and all(t.dtype == torch.float32 for t in moments)
+
+
+def test_the_bf16_reference_stores_its_linear_layers_in_bf16_and_scores_the_same_bits():
+    """Under bf16 autocast the frozen reference's linear weights are cast once, at build: the
+    log-probs equal those of an fp32 copy that autocast casts at every pass, bit for bit."""
+    parts = build_components(small_config(*SHORT, "train.dtype=bfloat16", "algo.kl_coef=0.1"))
+    reference = parts.algo.reference
+    model = reference.model
+    linear = [m.weight for m in model.modules() if isinstance(m, torch.nn.Linear)]
+    embedding = model.get_input_embeddings().weight
+    assert embedding.dtype == torch.float32  # the lookup (and a tied output layer) as loaded
+    assert {w.dtype for w in linear if w is not embedding} == {torch.bfloat16}
+    fp32 = ReferencePolicy(parts.policy)  # the control: as loaded, cast by autocast
+    assert fp32.sha256 == reference.sha256  # what a resume checks: the weights as loaded
+    groups = groups_of(parts, 2)
+    batch = stack_groups(groups, parts.policy.pad_id)
+    with autocast(torch.device("cpu"), "bfloat16"):
+        got = reference.logprobs(batch, 1.0, parts.policy.pad_id)
+        expected = fp32.logprobs(batch, 1.0, parts.policy.pad_id)
+    assert torch.equal(got, expected)
+    with torch.no_grad():  # not the same weights as an fp32 pass's: the cast happened
+        assert not torch.equal(fp32.logprobs(batch, 1.0, parts.policy.pad_id), expected)
 
 
 @pytest.mark.slow

@@ -28,6 +28,7 @@ from asyncrl.algos.update import (
     apply_gradients,
     backward,
     batch_logprobs,
+    reference_dtype,
     regularise,
     select,
     stack_groups,
@@ -78,7 +79,11 @@ class GRPO:
         self.shared_prompts = config.train.shared_prompts
         # built before any checkpoint is loaded: a copy of the policy's initial weights
         self.reference = (
-            ReferencePolicy(policy, self.shared_prompts) if config.algo.kl_coef > 0 else None
+            ReferencePolicy(
+                policy, self.shared_prompts, reference_dtype(self.dtype, ranks.world_size)
+            )
+            if config.algo.kl_coef > 0
+            else None
         )
         self.loss_fn = ClippedPolicyLoss(clip_eps=config.algo.clip_eps)
         self._entropy_coef = config.algo.entropy_coef  # the step's: `entropy_coef(advantages)`

@@ -34,6 +34,7 @@ from asyncrl.algos.update import (
     apply_gradients,
     backward,
     batch_logprobs,
+    reference_dtype,
     regularise,
     select,
     stack_groups,
@@ -141,7 +142,13 @@ class PPO:
             self.critic = wrap(  # type: ignore[assignment]
                 self.critic, config.model.lora, config.run.seed + 1, modules_to_save=["score"]
             )
-        self.reference = ReferencePolicy(policy, self.shared_prompts) if algo.kl_coef > 0 else None
+        self.reference = (
+            ReferencePolicy(
+                policy, self.shared_prompts, reference_dtype(self.dtype, ranks.world_size)
+            )
+            if algo.kl_coef > 0
+            else None
+        )
         self.config = algo
         self.options = opt
         self.temperature = config.rollout.temperature

@@ -271,9 +271,21 @@ class ReferencePolicy:
 
     It is not checkpointed: every launch rebuilds the policy from its config (the preset and
     `run.seed`, or `model.path`) before loading a checkpoint, so this copy is the same each
-    time. `sha256` lets a resume prove it (a `model.path` whose files changed would not be)."""
+    time. `sha256` lets a resume prove it (a `model.path` whose files changed would not be).
 
-    def __init__(self, initial_policy: Policy, shared_prompts: bool = False) -> None:
+    `matmul_dtype` (bf16 training under autocast, one rank): the copy's linear layers are
+    stored in it, cast once here instead of by autocast at every pass (autocast caches no cast
+    of a weight that needs no gradient, so each pass cast them again) and at half the memory.
+    The log-probs are the same bit for bit: autocast multiplies in that dtype either way. The
+    output layer, when it is the input embedding's weight, stays as it is: the embedding's
+    lookup reads it in fp32."""
+
+    def __init__(
+        self,
+        initial_policy: Policy,
+        shared_prompts: bool = False,
+        matmul_dtype: torch.dtype | None = None,
+    ) -> None:
         self.shared_prompts = shared_prompts
         self.adapters_off = is_lora(initial_policy.model)
         if self.adapters_off:
@@ -283,7 +295,9 @@ class ReferencePolicy:
             self.model = copy.deepcopy(initial_policy.model)
             self.model.eval()
             self.model.requires_grad_(False)
-            self.sha256 = weights_sha256(self.model)
+            self.sha256 = weights_sha256(self.model)  # of the weights as loaded
+            if matmul_dtype is not None:
+                cast_linear_layers(self.model, matmul_dtype)
 
     @torch.no_grad()
     def logprobs(self, batch: dict[str, Any], temperature: float, pad_id: int) -> torch.Tensor:
@@ -301,6 +315,21 @@ class ReferencePolicy:
                 shared_prompts=self.shared_prompts,
             )  # no entropy: the reference only needs the chosen tokens' log-probs
         return logprobs
+
+
+def reference_dtype(train_dtype: str, world_size: int) -> torch.dtype | None:
+    """The dtype `ReferencePolicy` stores its linear layers in: bf16 where the passes run under
+    bf16 autocast on one rank (FSDP2 shards wants one dtype a model); None (as loaded) else."""
+    return torch.bfloat16 if train_dtype == "bfloat16" and world_size == 1 else None
+
+
+def cast_linear_layers(model: torch.nn.Module, dtype: torch.dtype) -> None:
+    """Stores every `nn.Linear` of `model` in `dtype`, but for one whose weight is also an
+    embedding's (tied output layers)."""
+    embedded = {id(m.weight) for m in model.modules() if isinstance(m, torch.nn.Embedding)}
+    for module in model.modules():
+        if isinstance(module, torch.nn.Linear) and id(module.weight) not in embedded:
+            module.to(dtype)
 
 
 @contextlib.contextmanager

@@ -171,15 +171,20 @@ def output_head(model: PreTrainedModel) -> tuple[torch.nn.Module, torch.nn.Linea
 
 def _same_logits(model: PreTrainedModel, decoder: torch.nn.Module, head: torch.nn.Linear) -> bool:
     """Whether the model's logits equal `head(decoder(...))` on a three-token input: in eval
-    mode (no dropout), fp32, and under a forked RNG (a resumed run draws what the uninterrupted
-    one does)."""
+    mode (no dropout), in the weights' dtype (under autocast where they mix fp32 with a lower
+    one, as `ReferencePolicy`'s bf16 linear layers do), and under a forked RNG (a resumed run
+    draws what the uninterrupted one does)."""
     device = model_device(model)
     ids = torch.tensor([[0, 1, 2]], device=device) % head.out_features
     training = model.training
     model.eval()
+    dtypes = {p.dtype for p in model.parameters() if p.is_floating_point()}
+    lower = sorted(dtypes - {torch.float32}, key=str)
+    mixed = torch.float32 in dtypes and len(lower) == 1
+    cast = torch.autocast(device.type, dtype=lower[0] if mixed else None, enabled=mixed)
     try:
         forked = torch.random.fork_rng(devices=[device] if device.type == "cuda" else [])
-        with forked, torch.no_grad(), torch.autocast(device.type, enabled=False):
+        with forked, torch.no_grad(), cast:
             full = model(input_ids=ids, use_cache=False).logits
             split = head(decoder(input_ids=ids, use_cache=False).last_hidden_state)
     finally:
