@@ -23,7 +23,7 @@ FROZEN_COMMANDS = {
 }
 
 FROZEN_CONFIG_KEYS = [
-    "run.seed", "run.max_num_steps", "run.deterministic", "run.torch_threads",
+    "run.seed", "run.max_num_steps", "run.deterministic", "run.torch_threads", "run.share_cores",
     "model.preset", "model.path", "model.hidden_size", "model.num_layers", "model.num_heads",
     "model.max_seq_len", "model.lora.rank", "model.lora.alpha", "model.lora.dropout",
     "model.lora.target_modules", "model.lora.merge_for_generation",

@@ -35,8 +35,14 @@ class RunConfig:
     """Bit-for-bit reproducible runs, resumed or not (DESIGN.md I5): target t is generated with
     exactly weights version max(0, t-A), in fixed batches; see docs/determinism.md."""
     torch_threads: int = field(default=1, metadata=MAY_CHANGE_UNLESS_DETERMINISTIC)
-    """torch intra-op threads per process. 1 lets generation and training each own a core on a
-    2-core machine; 0 keeps torch's default."""
+    """torch intra-op threads of each side, generation and training, while both are busy. 1
+    lets each own a core on a 2-core machine; 0 keeps torch's default (and shares nothing)."""
+    share_cores: bool = field(default=True, metadata=MAY_CHANGE)
+    """A side running alone (the trainer waiting for rollouts, generation waiting for weights)
+    takes the other side's threads too: up to `torch_threads` x 2, at most this process's
+    cores. Set at each pass (a decode step, a micro-batch). Applies to `rollout.backend=threads`
+    with one trainer process, and never in deterministic runs (thread counts would follow
+    timing there); docs/devices.md."""
 
     def validate(self) -> None:
         _require(self.max_num_steps >= 1, "run.max_num_steps", self.max_num_steps, ">= 1")

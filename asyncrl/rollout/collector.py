@@ -30,6 +30,7 @@ from asyncrl.core.partial import Partial
 from asyncrl.core.seeds import noise_seed
 from asyncrl.core.types import Group, PromptTicket
 from asyncrl.faults import fault_point
+from asyncrl.models.threads import CoreShare
 from asyncrl.rollout.engine import GenerationEngine, GenerationOutput, GenerationRequest
 from asyncrl.rollout.episodes import EpisodeRunner
 from asyncrl.rollout.scorer import Scored
@@ -148,6 +149,7 @@ class Collector:
         mid_generation_updates: bool = False,
         weights: WeightSource | None = None,
         episodes: EpisodeRunner | None = None,
+        cores: CoreShare | None = None,
     ) -> None:
         self.ledger = ledger
         self.buffer = buffer
@@ -167,6 +169,7 @@ class Collector:
         self.mid_generation_updates = mid_generation_updates
         self.weights = weights  # the engine's weights versions, to pin a continued sample's
         self.episodes = episodes  # multi-turn: each sample an episode with an environment
+        self.cores = cores or CoreShare(0)  # this thread's torch threads while it generates
         self._scores: dict[int, Scored] = {}  # scored, not yet buffered
         self.num_failures = 0  # every failed batch, for the metrics
         self._consecutive_failures = 0
@@ -280,7 +283,8 @@ class Collector:
         is tried again; `max_failures` failures in a row stop generation for good."""
         while tickets := self._admit():
             try:
-                self._generate(tickets)
+                with self.cores.busy():
+                    self._generate(tickets)
                 self._consecutive_failures = 0
             except KeyboardInterrupt:
                 raise

@@ -19,6 +19,7 @@ from asyncrl.core.stream import PromptStream
 from asyncrl.models.device import DTYPES, place, resolve_device
 from asyncrl.models.lora import adapters_in_engine, apply_lora
 from asyncrl.models.policy import Policy, load_policy
+from asyncrl.models.threads import CoreShare
 from asyncrl.rollout.collector import Chunk, Collector
 from asyncrl.rollout.engine import (
     EngineSpec,
@@ -58,6 +59,8 @@ class Components:
     shutdown_steps: list[Callable[[], None]] = field(default_factory=list)
     evaluator: Evaluator | None = None
     """With `eval.every_steps`: evaluates the weights the trainer publishes."""
+    cores: CoreShare = field(default_factory=lambda: CoreShare(0))
+    """The torch threads of generation and training (`run.share_cores`)."""
 
     def stop_generation(self) -> None:
         """Stops the collector: asks it to stop, stops the reward workers (a reward call that
@@ -122,6 +125,9 @@ def build_components(
     if rollout.backend == "threads":  # on Ray the device is the workers' (checked there)
         resolve_device("rollout.device", rollout.device)
     task, policy, build_algorithm = build_trainer_side(config, ranks, device)
+    cores = core_share(config)
+    if rollout.backend == "threads":  # before the engine, evaluator and reference copy it
+        cores.watch(policy.model)
     # a prompt the model cannot take is refused here, before any engine or worker starts
     budget = "env.max_episode_tokens" if config.env.name else "rollout.max_new_tokens"
     prompts = encode_prompts(
@@ -169,11 +175,26 @@ def build_components(
         mid_generation_updates=rollout.update_weights_mid_generation,
         weights=weights,
         episodes=episodes,
+        cores=cores,
     )
     return Components(
         policy, task, stream, ledger, buffer, weights, engine, collector, algo, scorer, shutdown,
-        evaluator,
+        evaluator, cores,
     )  # fmt: skip
+
+
+def core_share(config: Config) -> CoreShare:
+    """`run.torch_threads` for each side, handed to a side running alone with
+    `run.share_cores` where it can be: generation in this process, one trainer process, and
+    no deterministic run."""
+    run = config.run
+    sharing = (
+        run.share_cores
+        and not run.deterministic
+        and config.rollout.backend == "threads"
+        and config.train.num_processes == 1
+    )
+    return CoreShare(run.torch_threads, sharing)
 
 
 def _episode_runner(

@@ -347,20 +347,21 @@ class Trainer:
         self.schedule.last_saved_s = time.perf_counter()  # `every_s` counts from the launch
         self.parts.collector.start()
         try:
-            if self.step == 0:
-                self._evaluate(0)
-            while self.step < self.config.run.max_num_steps:
-                record = self.train_step()
-                if is_eval_record(record):
-                    tqdm.write(eval_line(record), file=sys.stderr)
-                progress.set_postfix_str(self._postfix(record), refresh=False)
-                progress.update(1)
-                if self.stop.requested:  # the emergency checkpoint: `_on_preempted`
-                    raise Preempted(self.stop.signal_name or "signal")
-                self._scheduled_checkpoint()
-            if self.last_saved_step != self.step:
-                self.checkpoint()
-            self.writer.wait()  # exit 0 only with the final checkpoint written and verified
+            with self.parts.cores.busy():  # idle while it waits for rollouts (`train_step`)
+                if self.step == 0:
+                    self._evaluate(0)
+                while self.step < self.config.run.max_num_steps:
+                    record = self.train_step()
+                    if is_eval_record(record):
+                        tqdm.write(eval_line(record), file=sys.stderr)
+                    progress.set_postfix_str(self._postfix(record), refresh=False)
+                    progress.update(1)
+                    if self.stop.requested:  # the emergency checkpoint: `_on_preempted`
+                        raise Preempted(self.stop.signal_name or "signal")
+                    self._scheduled_checkpoint()
+                if self.last_saved_step != self.step:
+                    self.checkpoint()
+                self.writer.wait()  # exit 0 only with the final checkpoint written and verified
         except Preempted as stop:
             self._on_preempted(stop)
             raise
@@ -402,7 +403,8 @@ class Trainer:
         """Samples step t's groups, updates the policy, publishes version t+1, records."""
         step = self.step
         wait_start = time.perf_counter()
-        groups = self.parts.buffer.sample(step, check=self._wait_check)
+        with self.parts.cores.idle():  # generation takes this side's threads meanwhile
+            groups = self.parts.buffer.sample(step, check=self._wait_check)
         train_start = time.perf_counter()
         if self.group is not None:
             self.group.command("step", step=step)  # the algorithm sends what ranks need
