@@ -34,7 +34,10 @@ floor and ratio, the FLOPs and rates, and, last:
 
 A, B: measured / floor, per step, for training and for generation; S: the steady step's wall
 seconds; F: max(training floor, generation floor), the step's floor with the two sides
-overlapped on two cores; D: the train and rollout dtypes; FLAGS: the CPU's SIMD flags that
+overlapped, one core each. With `run.share_cores` (the default) a side running alone takes
+both cores, so A or B may fall below what one core allows; a line before the last then gives
+the floor of the step on both cores, (training floor + generation floor) / 2, and the step's
+ratio to it; D: the train and rollout dtypes; FLAGS: the CPU's SIMD flags that
 decide the dtype (avx2, avx512f, avx512_bf16, amx_bf16).
 """
 
@@ -59,6 +62,7 @@ import torch
 from asyncrl.config import ConfigError
 from asyncrl.config.keys import build_config
 from asyncrl.models.device import DTYPES, read_cpuinfo, resolve_train_dtype
+from asyncrl.train.components import core_share
 from asyncrl.train.records import read_jsonl
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -311,7 +315,7 @@ def check_scaling(floor: Floor) -> None:
 
 def measure(
     run: Path, warmup: int, repeats: int, scaling: bool = False
-) -> tuple[list[Part], float, str]:
+) -> tuple[list[Part], float, str, bool]:
     events = read_jsonl(run / "events.jsonl")
     start = next(e for e in events if e["event"] == "start")
     try:
@@ -372,7 +376,7 @@ def measure(
         if before is not None
         else statistics.fmean(b - a for a, b in itertools.pairwise(walls))
     )
-    return parts, step_s, f"train:{train_dtype}/gen:{gen_dtype}"
+    return parts, step_s, f"train:{train_dtype}/gen:{gen_dtype}", core_share(config).sharing
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -387,14 +391,18 @@ def main(argv: list[str] | None = None) -> None:
     name, flags = cpu_flags()
     print(f"floor: cpu {name}, {os.cpu_count()} cores, flags {flags}; torch {torch.__version__}")
     if args.run is not None:
-        parts, step_s, dtype = measure(args.run, args.warmup, args.repeats, args.check_scaling)
+        parts, step_s, dtype, shared = measure(
+            args.run, args.warmup, args.repeats, args.check_scaling
+        )
     else:
         subprocess.run([sys.executable, "-m", "asyncrl.examples.smol_math", "data/smol_math"],
                        cwd=ROOT, check=True, capture_output=True)  # fmt: skip
         with tempfile.TemporaryDirectory() as tmp:
             run = Path(tmp) / "run"
             train_run(run, args.steps, args.set)
-            parts, step_s, dtype = measure(run, args.warmup, args.repeats, args.check_scaling)
+            parts, step_s, dtype, shared = measure(
+                run, args.warmup, args.repeats, args.check_scaling
+            )
     for part in parts:
         print(
             f"  {part.name:9s} measured {part.measured_s:7.2f} s  floor {part.floor_s:7.2f} s  "
@@ -409,6 +417,13 @@ def main(argv: list[str] | None = None) -> None:
         f"  step      {step_s:7.2f} s wall; max(train, generate) measured {busiest:.2f} s "
         f"(x{step_s / busiest:.2f})"
     )
+    if shared:  # a side alone ran on both cores: its ratio is against one core's floor
+        both = (train.floor_s + gen.floor_s) / 2
+        print(
+            f"  cores     shared (run.share_cores): a side alone took both cores, so the "
+            f"step's floor on two cores is (train + generate) / 2 = {both:.2f} s (step x"
+            f"{step_s / both:.2f}); the ratios above are against one core's floor each"
+        )
     print(
         f"floor: train_x={train.ratio:.2f} gen_x={gen.ratio:.2f} step_s={step_s:.1f} "
         f"floor_s={floor_s:.1f} dtype={dtype} cpu={flags}"
