@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import pickle
 import threading
 
 import pytest
@@ -112,6 +113,10 @@ def test_the_hook_applies_the_share_before_each_pass_and_a_copy_keeps_it():
                 return alone, torch.get_num_threads()
 
     assert in_thread(passes) == (2, 1)
+    sent = pickle.loads(pickle.dumps(model))  # to another process (a Ray worker's spec)
+    (hook,) = sent._forward_pre_hooks.values()
+    assert hook.share is None  # that process's threads are its own
+    sent(torch.zeros(1, 2))
 
 
 def test_sharing_is_off_where_timing_or_other_processes_would_decide():

@@ -109,5 +109,24 @@ class CoreShare:
 
     def watch(self, module: torch.nn.Module) -> None:
         """Applies the calling thread's share before every forward pass of `module` (and of
-        every copy made of it later: a deep copy keeps the hook)."""
-        module.register_forward_pre_hook(lambda _module, _args: self.apply())
+        every copy made of it later in this process: a deep copy keeps the hook)."""
+        module.register_forward_pre_hook(_ApplyShare(self))
+
+
+class _ApplyShare:
+    """The forward pre-hook of `CoreShare.watch`. A deep copy keeps the same share (a copy in
+    this process runs on its threads); a pickled one, sent to another process (a Ray worker's
+    engine spec), does nothing there: that process's threads are its own."""
+
+    def __init__(self, share: CoreShare | None) -> None:
+        self.share = share
+
+    def __call__(self, _module: torch.nn.Module, _args: object) -> None:
+        if self.share is not None:
+            self.share.apply()
+
+    def __deepcopy__(self, memo: dict[int, object]) -> _ApplyShare:
+        return self
+
+    def __getstate__(self) -> dict[str, object]:
+        return {"share": None}
