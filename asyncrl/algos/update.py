@@ -319,7 +319,8 @@ class ReferencePolicy:
 
 def reference_dtype(train_dtype: str, world_size: int) -> torch.dtype | None:
     """The dtype `ReferencePolicy` stores its linear layers in: bf16 where the passes run under
-    bf16 autocast on one rank (FSDP2 shards wants one dtype a model); None (as loaded) else."""
+    bf16 autocast on one rank (FSDP2 wants one dtype across a sharded model); None (as loaded)
+    elsewhere."""
     return torch.bfloat16 if train_dtype == "bfloat16" and world_size == 1 else None
 
 

@@ -179,9 +179,9 @@ def _same_logits(model: PreTrainedModel, decoder: torch.nn.Module, head: torch.n
     training = model.training
     model.eval()
     dtypes = {p.dtype for p in model.parameters() if p.is_floating_point()}
-    lower = sorted(dtypes - {torch.float32}, key=str)
-    mixed = torch.float32 in dtypes and len(lower) == 1
-    cast = torch.autocast(device.type, dtype=lower[0] if mixed else None, enabled=mixed)
+    mixed = torch.float32 in dtypes and len(dtypes) == 2
+    lower = (dtypes - {torch.float32}).pop() if mixed else None
+    cast = torch.autocast(device.type, dtype=lower, enabled=mixed)
     try:
         forked = torch.random.fork_rng(devices=[device] if device.type == "cuda" else [])
         with forked, torch.no_grad(), cast:

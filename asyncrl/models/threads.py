@@ -85,12 +85,8 @@ class CoreShare:
                 with self._lock:
                     self._busy.add(me)
 
-    def threads(self) -> int:
-        """The count for a busy thread now (0: torch's default, left alone)."""
-        with self._lock:
-            return self._threads()
-
     def _threads(self) -> int:
+        """The count for a busy thread now (0: torch's default, left alone); under `_lock`."""
         if not self.sharing or self.per_side == 0:
             return self.per_side
         return threads_for(len(self._busy), self.per_side, self.sides, self.cores)
