@@ -39,10 +39,12 @@ from asyncrl.core.episodes import recorded_steps
 
 CUT_FACTS = (
     "step", "in_flight", "buffered", "partial_tokens", "finished_in_flight", "episode_steps",
+    "first_turn_tokens",
 )  # fmt: skip
 """What a checkpoint write knows of its cut: its step, the ordinals in flight and the groups
-buffered in it, the tokens of its partial samples, and its finished samples of groups still in
-flight (`cut_facts`)."""
+buffered in it, the tokens of its partial samples, its finished samples of groups still in
+flight, the environment steps its episodes took, and the tokens of episodes in their first
+turn (no step asked yet) (`cut_facts`)."""
 
 POINTS = (
     "checkpoint.file_written",  # one checkpoint file written and fsynced (temp dir)
@@ -193,4 +195,10 @@ def cut_facts(states: dict[str, Any]) -> dict[str, int]:
         "partial_tokens": sum(int(p["mask"].sum()) for p in partials),
         "finished_in_flight": sum(int(p["finished"].sum()) for p in partials),
         "episode_steps": len(recorded_steps(ledger)),
+        "first_turn_tokens": sum(
+            int(n)
+            for p in partials
+            for n, e in zip(p["mask"].sum(dim=1), p.get("episodes") or (), strict=False)
+            if not e["turns"]
+        ),
     }

@@ -24,6 +24,8 @@ import pytest
 from helpers import read_records
 from test_determinism import fingerprint
 
+from asyncrl.checkpoint.run_checkpoints import run_store
+from asyncrl.checkpoint.snapshot import read_parts
 from asyncrl.cli.audit import audit_run_dir
 from asyncrl.cli.inspect import inspect_run_dir
 
@@ -165,6 +167,13 @@ def test_audit_catches_a_lossless_resume_that_lost_its_episodes(tmp_path, repo_r
     step = inspect_run_dir(run)["step"]
     assert any(e["event"] == "checkpoint" and e["step"] == step and e["recorded_steps"]
                for e in read_records(run / "events.jsonl"))  # fmt: skip
+    # the steps log cut back to the checkpoint's offset: else a later turn the killed launch
+    # logged past the cut meets the lost episodes' regenerated text under its id, and the run
+    # refuses it (one id, one request) before audit can look, whenever the kill came late
+    latest, _ = run_store(run).latest()
+    offset = int(read_parts(latest)[0]["trainer"].get("env_steps_offset") or 0)
+    with open(run / "env_steps.jsonl", "r+b") as f:
+        f.truncate(offset)
     proc = launch(run, repo_root, "TallyState", skip="ledger.partial")
     out, _ = proc.communicate(timeout=480)
     assert proc.returncode == 0, out[-3000:]
@@ -214,11 +223,37 @@ def test_what_each_resume_policy_and_restore_kind_redoes(
     assert audit_run_dir(run).ok
 
 
+def test_a_restart_environment_continues_a_first_turn_that_asked_no_step(tmp_path, repo_root):
+    """Issue 44, defect 6: an environment that can only start over lost the tokens of a first
+    turn that had asked no step. Turns of 2 tokens in chunks of 1, killed after a checkpoint
+    whose cut holds such a turn: the resume continues it at its token (`continued_partials`:
+    audit's I3 then checks that no token of it was generated again) and starts over only the
+    episodes that took a step, as `inspect` predicted."""
+    run = tmp_path / "run"
+    extra = ["rollout.chunk_tokens=1", "rollout.max_new_tokens=6", "env.max_episode_tokens=40"]
+    fault = "checkpoint.parent_fsynced[first_turn_tokens]>episode.env_step:2"
+    code, _, out = run_to(run, repo_root, "TallyRestart", fault, extra=extra)
+    assert code == -signal.SIGKILL, out[-2000:]
+    predicted = inspect_run_dir(run)["resume_cost"]["lossless"]
+    code, _, out = run_to(run, repo_root, "TallyRestart", extra=extra)
+    assert code == 0, out[-3000:]
+    (event,) = [e for e in read_records(run / "events.jsonl") if e["event"] == "resume"]
+    kept = [n for p in event["continued_partials"].values() for n in p["lengths"] if n]
+    assert kept, event["continued_partials"]
+    for key in ("turns_regenerated", "tool_calls_repeated", "turns_kept", "kept_tokens"):
+        assert predicted[key] == event[key], (key, predicted, event)
+    assert audit_run_dir(run).ok, audit_run_dir(run).violations
+
+
 @pytest.mark.parametrize(
     "variant",
     [
         [],  # one trainer process, full fine-tuning
-        ["train.num_processes=2"],  # two trainer ranks (FSDP2 on gloo)
+        # two trainer ranks (FSDP2 on gloo), whose step costs more than a turn of 2 tokens:
+        # the generator would wait at every cut for the step to admit its next prompts, so no
+        # cut would hold an episode with a step taken. Turns of 24 tokens make generation the
+        # slower side (3.8 s against 2.0 s of training over 12 steps here), as in one process
+        ["train.num_processes=2", "rollout.max_new_tokens=24", "env.max_episode_tokens=56"],
         ["model.lora.rank=4"],  # LoRA adapters
     ],
     ids=["chunked", "2-ranks", "lora"],
@@ -236,10 +271,7 @@ def test_killed_past_the_checkpoint_a_default_mode_run_asks_each_step_once_with_
     after a kill, with a new text."""
     run = tmp_path / "run"
     extra = ["env.max_turns=2", "rollout.chunk_tokens=2", *variant]
-    # with ranks the fact-filtered trigger never fired (seen, not yet explained): any durable
-    # checkpoint, then the steps after it
-    after = "checkpoint.parent_fsynced" if "train.num_processes=2" in variant else IN_FLIGHT
-    faults = [f"{after}>episode.env_step:3", f"{after}>episode.env_answered:2"]
+    faults = [f"{IN_FLIGHT}>episode.env_step:3", f"{IN_FLIGHT}>episode.env_answered:2"]
     for fault in faults:
         code, _, out = run_to(run, repo_root, "Tally", fault, extra=extra)
         assert code == -signal.SIGKILL, out[-2000:]

@@ -159,3 +159,81 @@ def test_the_steps_log_cuts_a_torn_last_line_and_keeps_a_whole_one(tmp_path):
     path.write_text('{"step_id": "0:0:0", "attempt": 0}')  # whole, killed before its newline
     end_torn_line(path)
     assert path.read_text() == '{"step_id": "0:0:0", "attempt": 0}\n'
+
+
+# --- an environment that can only restart keeps a first turn that asked no step (defect 6)
+
+
+class Restarter:
+    """Can only start over; counts its steps, by step id."""
+
+    restore = "restart"
+    alphabet = ""
+    steps: ClassVar[list[str]] = []
+
+    def reset(self, example, seed):
+        return [{"role": "user", "content": "1-5="}]
+
+    def step(self, assistant_text, step_id):
+        Restarter.steps.append(step_id)
+        return [{"role": "user", "content": "+"}], 0.5, False
+
+
+@pytest.mark.parametrize("policy", ["lossless", "restart_episode"])
+def test_a_restart_environment_keeps_a_first_turn_that_asked_no_step(policy, tmp_path):
+    """Sample 0 ended its first turn (step 0:0:0 asked), sample 1 is two tokens into its
+    first: a resume starts sample 0 over under a new id and continues sample 1 at its token,
+    as the resume plan says (`continued_samples`). Its step, asked after the checkpoint by the
+    killed launch, gets a new id too. `restart_episode` (the control) starts both over."""
+    from asyncrl.core.resume import SavedLedger, continued_samples
+    from asyncrl.core.types import PromptTicket
+    from asyncrl.models.policy import load_policy
+    from asyncrl.rollout.episodes import EpisodeRunner
+    from asyncrl.tasks.games import guess_number_examples
+
+    policy_ = load_policy(small_config().model, 0, set("0123456789=-+"))
+
+    def runner():
+        return EpisodeRunner(
+            Restarter, "restarter", guess_number_examples(4, 0), policy_.tokenizer,
+            policy_.eos_id, 0, 4, 4, 64, steps_log=tmp_path / "env_steps.jsonl",
+            restart_on_resume=policy == "restart_episode",
+        )  # fmt: skip
+
+    Restarter.steps = []
+    ticket = PromptTicket(0, 0, 0, 0, 0)
+    killed = runner()
+    d, eos = policy_.tokenizer.convert_tokens_to_ids("3"), policy_.eos_id
+    t = torch.tensor([[d, eos], [d, d]])
+    ones = torch.ones_like(t, dtype=torch.bool)
+    partial = killed.advance(ticket, killed.start(ticket, 2).extend(
+        t, ones, torch.zeros(t.shape), 0, torch.tensor([True, False])))  # fmt: skip
+    checkpoint = partial.state_dict()  # the cut: sample 1 has asked no step
+    t = torch.tensor([[0], [eos]])
+    killed.advance(
+        ticket,
+        partial.extend(
+            t, torch.tensor([[False], [True]]), torch.zeros(t.shape), 0, torch.tensor([False, True])
+        ),
+    )
+    assert Restarter.steps == ["0:0:0", "0:1:0"]  # then the kill
+
+    saved = Partial.from_state(checkpoint)
+    plan = continued_samples(
+        SavedLedger(0, 1, 1, [(0, 0)], [], partial_samples={0: saved.saved_samples()}),
+        policy, episodes_restart=True,
+    )[0]  # fmt: skip
+    resumed = runner()
+    resumed.log.load(0, lambda ordinal: True)  # as a resume does, from the cut's offset
+    back = resumed.resume(ticket, saved)
+    assert (back.lengths, back.finished.tolist()) == plan
+    if policy == "lossless":
+        assert back.lengths == [0, 2] and back.prefixes()[1] == (d, d)
+    else:
+        assert back.lengths == [0, 0]
+    assert [e.restarts for e in back.episodes] == [1, 1]  # ids the log has not asked
+    Restarter.steps = []
+    t = torch.tensor([[eos], [eos]])
+    ones = torch.ones_like(t, dtype=torch.bool)
+    resumed.advance(ticket, back.extend(t, ones, torch.zeros(t.shape), 0, ones[:, 0]))
+    assert sorted(Restarter.steps) == ["0:0:0:1", "0:1:0:1"]

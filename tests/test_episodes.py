@@ -14,7 +14,7 @@ from helpers import small_config
 from asyncrl.config import ConfigError
 from asyncrl.core.episodes import Episode, step_id
 from asyncrl.core.partial import Partial
-from asyncrl.core.resume import SavedLedger, plan_resume
+from asyncrl.core.resume import SavedLedger, SavedSample, continued_samples, plan_resume
 from asyncrl.rollout.engine import GenerationRequest
 from asyncrl.rollout.episodes import EpisodeError, env_seed
 from asyncrl.tasks.environments import environment_class
@@ -75,24 +75,38 @@ def test_a_reply_is_appended_as_tokens_the_policy_did_not_sample():
     assert cut.lengths == [0, 2] and cut.episodes[0].restarts == 1
 
 
-def test_resume_plans_count_the_turns_each_policy_keeps_or_redoes():
+def test_resume_plans_count_the_turns_each_policy_keeps_or_redoes_sample_by_sample():
+    # ordinal 4: an episode two steps in, one in its first turn (no step asked), one ended;
+    # ordinal 5: an episode two steps in, and a sample not started
+    samples = {
+        4: [SavedSample(10, 2), SavedSample(8, 0), SavedSample(12, 3, ended=True, finished=True)],
+        5: [SavedSample(12, 2), SavedSample(0)],
+    }
     saved = SavedLedger(
         step=2, num_prompts_per_step=2, cursor=6, in_flight=[(4, 2), (5, 2)], buffered=[],
-        partial_tokens={4: 30, 5: 12}, partial_turns={4: 5, 5: 2},
+        partial_tokens={4: 30, 5: 12}, partial_samples=samples,
     )  # fmt: skip
-    lossless = plan_resume(saved, "lossless")
-    assert (lossless.turns_kept, lossless.turns_regenerated, lossless.tool_calls_repeated) == (
-        7, 0, 0,
-    )  # fmt: skip
-    assert lossless.regenerated_tokens == 0
+
+    def counts(plan):
+        return (plan.turns_kept, plan.turns_regenerated, plan.tool_calls_repeated,
+                plan.kept_tokens, plan.regenerated_tokens, plan.continued)  # fmt: skip
+
+    assert counts(plan_resume(saved, "lossless")) == (7, 0, 0, 42, 0, [4, 5])
+    # restart_episode starts every in-flight sample over, ended or not yet stepped
     restart = plan_resume(saved, "restart_episode")
-    assert restart.redispatched == [(4, 2), (5, 2)] and restart.continued == []
-    assert (restart.turns_regenerated, restart.tool_calls_repeated) == (7, 7)
-    assert restart.regenerated_tokens == 42
-    # an environment that can only restart makes even a lossless resume redo them
-    assert plan_resume(saved, "lossless", episodes_restart=True).tool_calls_repeated == 7
+    assert restart.redispatched == [(4, 2), (5, 2)]
+    assert counts(restart) == (0, 7, 7, 0, 42, [])
+    # an environment that can only restart: the episodes that took a step and have not ended
+    # start over (2 + 2 turns, 10 + 12 tokens); the first turn and the ended episode are kept
+    assert counts(plan_resume(saved, "lossless", episodes_restart=True)) == (
+        3, 4, 4, 20, 22, [4],
+    )  # fmt: skip
+    assert continued_samples(saved, "lossless", episodes_restart=True) == {
+        4: ([0, 8, 12], [False, False, True]),
+        5: ([0, 0], [False, False]),
+    }
     skipped = plan_resume(saved, "keep_incomplete")
-    assert skipped.skipped == [4, 5] and skipped.tool_calls_repeated == 0
+    assert skipped.skipped == [4, 5] and counts(skipped) == (0, 7, 0, 0, 42, [])
 
 
 # --- the engine: each sample stops at its own limit

@@ -125,4 +125,5 @@ def test_the_facts_of_a_cut_are_read_off_the_ledger_and_buffer_states():
         "partial_tokens": 5,
         "finished_in_flight": 1,
         "episode_steps": 2,
+        "first_turn_tokens": 3,  # sample 1 asked no step yet
     }

@@ -191,9 +191,16 @@ def test_the_ledger_saves_partials_of_in_flight_ordinals_and_lossy_plans_drop_th
     assert (lossless.kept_tokens, lossless.regenerated_tokens) == (10, 0)
     # ordinal 1 continues; ordinal 2 (in flight, no chunk saved yet) starts over
     assert lossless.continued == [1] and lossless.num_regenerated == 1
+    restart = plan_resume(saved, "restart_episode")  # its partial samples start over
+    assert (restart.kept_tokens, restart.regenerated_tokens, restart.continued) == (7, 3, [])
     lossy = plan_resume(saved, "keep_incomplete")
     assert (lossy.kept_tokens, lossy.regenerated_tokens) == (7, 3)
     assert lossy.continued == [] and lossy.num_regenerated == 2
+    again = Ledger(PromptStream(10, 2, seed=0))
+    again.stream.load_state_dict(ledger.stream.state_dict())
+    again.load_state_dict(state)
+    again.apply(restart)  # the plan's word kept: the single-turn samples are dropped
+    assert again.partials == {} and [t.ordinal for t in again.redispatch] == [1, 2]
     restored.apply(lossy)
     assert restored.partials == {}
     with pytest.raises(KeyError):

@@ -13,7 +13,7 @@ from asyncrl.checkpoint.run_checkpoints import run_store
 from asyncrl.checkpoint.snapshot import decode_parts, read_parts
 from asyncrl.checkpoint.store import Verified
 from asyncrl.core.buffer import tokens_per_group
-from asyncrl.core.resume import POLICIES, ResumePolicy, SavedLedger, plan_resume
+from asyncrl.core.resume import POLICIES, ResumePolicy, SavedLedger, SavedSample, plan_resume
 
 
 def inspect_run_dir(run_dir: Path) -> dict[str, Any]:
@@ -142,7 +142,20 @@ def _saved_ledger(
         buffered,
         partial_tokens={k: sum(v["lengths"]) for k, v in samples.items()},
         buffered_tokens=tokens_per_group(decoded["buffer"]),
-        partial_turns={k: sum(e["turns"] for e in v) for k, v in episodes.items()},
+        partial_samples={
+            k: [
+                SavedSample(length, e["turns"], e["done"], f)
+                if e
+                else SavedSample(length, finished=f)
+                for length, f, e in zip(
+                    v["lengths"],
+                    v["finished"],
+                    episodes.get(k, [{}] * len(v["lengths"])),
+                    strict=True,
+                )
+            ]
+            for k, v in samples.items()
+        },
     )
     return saved, samples, episodes
 

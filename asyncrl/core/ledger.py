@@ -95,11 +95,7 @@ class Ledger:
             in_flight=[(t.ordinal, t.target_step) for t in self.unfinished()],
             buffered=buffered,
             partial_tokens={k: p.num_tokens for k, p in sorted(self.partials.items())},
-            partial_turns={
-                k: sum(e.num_turns for e in p.episodes)
-                for k, p in sorted(self.partials.items())
-                if p.episodes is not None
-            },
+            partial_samples={k: p.saved_samples() for k, p in sorted(self.partials.items())},
             buffered_tokens=dict(buffered_tokens or {}),
         )
 
@@ -108,8 +104,12 @@ class Ledger:
         queue (the in-flight ordinals go out again, first); a lossy policy drops it — those
         ordinals are skipped — and re-plans the stream's targets from its cursor (the plan's
         discarded groups are the buffer's to delete)."""
-        if plan.policy in ("lossless", "restart_episode"):  # the episodes runner starts
-            return  # a restart_episode's over, under new step ids (EpisodeRunner.resume)
+        if plan.policy == "restart_episode":  # single-turn samples start over here; the
+            self.partials = {  # episode runner starts episodes over, under new step ids
+                k: p for k, p in self.partials.items() if p.episodes is not None
+            }  # (it needs their restart counts: EpisodeRunner.resume)
+        if plan.policy in ("lossless", "restart_episode"):
+            return
         self.redispatch.clear()
         self.partials.clear()
         self.stream.schedule.refill(self.stream.cursor, plan.fills, plan.next_target)

@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from asyncrl.core.episodes import Episode
+from asyncrl.core.resume import SavedSample
 
 PADDING = (0, False, 0.0, -1, False)
 """What pads tokens, mask, log-probs, versions and the policy mask past a sample's end."""
@@ -83,6 +84,16 @@ class Partial:
     @property
     def done(self) -> bool:
         return bool(self.finished.all())
+
+    def saved_samples(self) -> list[SavedSample]:
+        """Each sample as a resume plans from it (`asyncrl.core.resume`)."""
+        finished = self.finished.tolist()
+        if self.episodes is None:
+            return [SavedSample(n, finished=f) for n, f in zip(self.lengths, finished, strict=True)]
+        return [
+            SavedSample(n, e.num_turns, e.ended, f)
+            for n, e, f in zip(self.lengths, self.episodes, finished, strict=True)
+        ]
 
     def prefixes(self) -> tuple[tuple[int, ...], ...]:
         """Each sample's tokens so far, for the engine to continue from."""

@@ -10,12 +10,16 @@ the ledger and buffer contents of one checkpoint; `asyncrl inspect` prints the s
 - `restart_episode` (what peers do with in-flight multi-turn episodes): as lossless, but the
   in-flight ordinals start over: their partial samples — the turns of their episodes, and the
   environment steps those turns made — are generated again.
+
+Under `lossless`, an environment that can only start over (`restore = "restart"`) starts over
+just the episodes that took a step and have not ended (`starts_over`): a first turn that asked
+no step is continued at its token, and an ended episode is kept whole.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Literal, NamedTuple
 
 ResumePolicy = Literal["lossless", "keep_incomplete", "drop_incomplete", "restart_episode"]
 POLICIES: tuple[ResumePolicy, ...] = (
@@ -24,6 +28,30 @@ POLICIES: tuple[ResumePolicy, ...] = (
     "drop_incomplete",
     "restart_episode",
 )
+
+
+class SavedSample(NamedTuple):
+    """One partial sample of an in-flight group, as a checkpoint holds it."""
+
+    tokens: int
+    turns: int = 0
+    """Its episode's turns so far (0 for a single-turn sample)."""
+    ended: bool = False
+    """Its episode is over (the environment's done, or a limit): no step is left to take."""
+    finished: bool = False
+    """No token is left to generate in its current turn (single-turn: in the sample)."""
+
+
+def starts_over(sample: SavedSample, policy: ResumePolicy, episodes_restart: bool) -> bool:
+    """Whether a resume throws a partial episode sample away and generates it again from its
+    first token. `restart_episode` starts every in-flight sample over. Under `lossless`, an
+    environment that can only restart (`episodes_restart`) is re-made from scratch, so an
+    episode that took a step must take it again, from its start; one that took none (its
+    first turn) continues where it stopped, and an ended one needs its environment no more.
+    The episode runner applies this same rule (`EpisodeRunner.resume`)."""
+    if policy == "restart_episode":
+        return True
+    return policy == "lossless" and episodes_restart and sample.turns > 0 and not sample.ended
 
 
 @dataclass(frozen=True)
@@ -39,8 +67,13 @@ class SavedLedger:
     """In-flight ordinal -> tokens of its partial samples (generated in chunks)."""
     buffered_tokens: dict[int, int] = field(default_factory=dict)
     """Buffered ordinal -> tokens of its finished group."""
-    partial_turns: dict[int, int] = field(default_factory=dict)
-    """In-flight ordinal -> the turns its episodes took so far (multi-turn runs)."""
+    partial_samples: dict[int, list[SavedSample]] = field(default_factory=dict)
+    """In-flight ordinal -> each of its partial samples (`partial_tokens`, sample by sample)."""
+
+    @property
+    def partial_turns(self) -> dict[int, int]:
+        """In-flight ordinal -> the turns its episodes took so far (multi-turn runs)."""
+        return {k: sum(s.turns for s in v) for k, v in self.partial_samples.items()}
 
     def buffered_per_target(self) -> dict[int, int]:
         counts: dict[int, int] = {}
@@ -105,18 +138,39 @@ def plan_resume(
     tokens = saved.buffered_tokens
     plan.kept_tokens = sum(tokens.get(k, 0) for k in plan.kept)
     plan.regenerated_tokens = sum(tokens.get(k, 0) for k in plan.discarded)
-    partial = sum(saved.partial_tokens.values())
-    turns = sum(saved.partial_turns.values())
-    if policy == "lossless" and not episodes_restart:
-        plan.kept_tokens += partial
-        plan.turns_kept = turns
-        plan.continued = sorted(k for k, n in saved.partial_tokens.items() if n > 0)
-    else:
-        plan.regenerated_tokens += partial
-        plan.turns_regenerated = turns
-        if policy in ("lossless", "restart_episode"):  # the same episodes, from their start
-            plan.tool_calls_repeated = turns
+    for k, n in sorted(saved.partial_tokens.items()):
+        if policy not in ("lossless", "restart_episode"):  # skipped, turns and all
+            plan.regenerated_tokens += n
+            plan.turns_regenerated += saved.partial_turns.get(k, 0)
+            continue
+        kept = 0
+        samples = saved.partial_samples.get(k, [SavedSample(n)])
+        for sample in samples:
+            if starts_over(sample, policy, episodes_restart):
+                plan.regenerated_tokens += sample.tokens
+                plan.turns_regenerated += sample.turns
+                plan.tool_calls_repeated += sample.turns
+            else:
+                kept += sample.tokens
+                plan.turns_kept += sample.turns
+        plan.kept_tokens += kept
+        if kept > 0:
+            plan.continued.append(k)
     return plan
+
+
+def continued_samples(
+    saved: SavedLedger, policy: ResumePolicy, episodes_restart: bool = False
+) -> dict[int, tuple[list[int], list[bool]]]:
+    """In-flight ordinal -> each sample's tokens a resume keeps and whether it stays finished
+    (0 and False: it starts over), for the samples `partial_samples` lists."""
+    return {
+        k: (
+            [0 if starts_over(s, policy, episodes_restart) else s.tokens for s in samples],
+            [s.finished and not starts_over(s, policy, episodes_restart) for s in samples],
+        )
+        for k, samples in saved.partial_samples.items()
+    }
 
 
 def _plan(saved: SavedLedger, policy: ResumePolicy) -> ResumePlan:

@@ -26,6 +26,7 @@ from asyncrl.checkpoint.restore import SKIP_RESTORE
 from asyncrl.checkpoint.snapshot import flatten_part
 from asyncrl.core.episodes import Episode, Message, parse_step_id, step_id, text_sha256
 from asyncrl.core.partial import Partial
+from asyncrl.core.resume import ResumePolicy, SavedSample, starts_over
 from asyncrl.core.seeds import derived_seed
 from asyncrl.core.types import PromptTicket
 from asyncrl.faults import fault_point
@@ -67,9 +68,11 @@ class EpisodeRunner:
         deterministic mode they are generated again, bitwise the same (the engine's batches
         are then the ones of the run without the kill), and their steps are answered from the
         log (`_step`), their texts checked against it."""
+        self.restart_on_resume = restart_on_resume
         self.starts_over = env_class.restore == "restart" or restart_on_resume
         """A reopened episode with steps is started over, under new step ids (a `restart`
-        environment, or `checkpoint.resume_policy=restart_episode`); nothing is recovered."""
+        environment, or `checkpoint.resume_policy=restart_episode`); nothing is recovered.
+        Which samples start over is `asyncrl.core.resume.starts_over`'s rule, the plan's."""
         self.workdir = workdir
         self.env_name = env_name
         self.examples = examples
@@ -137,18 +140,24 @@ class EpisodeRunner:
                 f"a run without env.name); resume it with env.name unset"
             )
         episodes = partial.episodes
+        policy: ResumePolicy = "restart_episode" if self.restart_on_resume else "lossless"
         for i, episode in enumerate(episodes):
             env, _ = self._new_env(ticket, i)  # live ones may be past the saved state
             self._stale.discard((ticket.ordinal, i))
-            if episode.ended or not (episode.turns or partial.lengths[i]):
-                continue
-            if "env_state" in SKIP_RESTORE:  # a test switch: the trainer reports it
-                continue
-            if self.starts_over:  # counted in the resume plan; new ids, past the log's
+            if not (episode.turns or partial.lengths[i]) or "env_state" in SKIP_RESTORE:
+                continue  # nothing to get back (or a test switch: the trainer reports it)
+            sample = SavedSample(partial.lengths[i], episode.num_turns, episode.ended)
+            if starts_over(sample, policy, self.env_class.restore == "restart"):
                 restarts = self.log.restarts(ticket.ordinal, i, episode.restarts + 1)
-                fresh = Episode(episode.opening, restarts=restarts)
+                fresh = Episode(episode.opening, restarts=restarts)  # new ids, past the log's
                 limit = fresh.limit(self.max_new_tokens, self.max_episode_tokens)
-                partial = partial.truncated(i, 0, limit, fresh)
+                partial = partial.truncated(i, 0, limit, fresh)  # counted in the resume plan
+            elif episode.ended:
+                continue
+            elif self.starts_over:  # a first turn continued: its step under an id not asked
+                restarts = self.log.restarts(ticket.ordinal, i, episode.restarts)
+                again = replace(episode, restarts=restarts)
+                partial = partial.with_episode(i, again, bool(partial.finished[i]))
             else:
                 self._restore(env, ticket, i, episode)
         self._set_prompt(ticket, [list(e.opening) for e in episodes])

@@ -45,7 +45,7 @@ from asyncrl.config import Config
 from asyncrl.config.keys import benign_differences, config_hash
 from asyncrl.core.buffer import tokens_per_group
 from asyncrl.core.episodes import recorded_steps
-from asyncrl.core.resume import ResumePlan, plan_resume
+from asyncrl.core.resume import ResumePlan, continued_samples, plan_resume
 from asyncrl.faults import cut_facts, fault_point
 from asyncrl.models.device import dtype_line, model_device
 from asyncrl.models.lora import check_base, checkpoint_part, save_final
@@ -215,12 +215,13 @@ class Trainer:
         ledger, buffer = self.parts.ledger, self.parts.buffer
         tokens = tokens_per_group(snapshot.parts["buffer"])
         saved = ledger.saved(self.step, buffer.ordinals_and_targets(), tokens)
-        self.continued = {k: (p.lengths, p.finished.tolist()) for k, p in ledger.partials.items()}
         self.recorded_steps = recorded_steps(ledger.state_dict())  # as restored
         restarts = bool(self.config.env.name) and (
             environment_class(self.config.env.name).restore == "restart"
         )
-        plan = plan_resume(saved, self.config.checkpoint.resume_policy, restarts)
+        policy = self.config.checkpoint.resume_policy
+        plan = plan_resume(saved, policy, restarts)
+        self.continued = continued_samples(saved, policy, restarts)
         ledger.apply(plan)
         buffer.discard(plan.discarded)
         if (episodes := self._episodes()) is not None:
