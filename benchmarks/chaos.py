@@ -17,7 +17,7 @@ I3, I4 held in 100%` or names the first violation (exit 1).
 
 `--episodes`: the multi-turn shape (`configs/multi_turn_game.yaml` with the test suite's user
 environment `tests/user_envs/tally_game.py:TallyState`, episodes capped at 2 turns by
-`env.max_turns`, generated in chunks of 2 tokens, the default mode), and I9 checked
+`env.max_turns`, generated in chunks of 1 token, the default mode), and I9 checked
 too: every resume event says `turns_regenerated=0 tool_calls_repeated=0
 tokens_regenerated=0`, the environment's journal shows that no launch called a step the
 checkpoint it resumed from had recorded, and over each whole run that no step was asked with
@@ -61,13 +61,13 @@ RUN = [
 EPISODES = [
     "env.name=tally_game:TallyState",
     "env.max_turns=2",
-    "rollout.chunk_tokens=2",
+    "rollout.chunk_tokens=1",
     "rollout.max_trajectory_age_steps=1",
 ]
 """`--episodes`: the multi-turn shape, with a user's environment that journals its steps. Its
 episodes are capped by `env.max_turns` (the environment would say done after 3 turns, the cap
-is 2: an episode ended by a limit) and generated in chunks of 2 tokens, so siblings are out of
-lockstep (issue 44's shape)."""
+is 2: an episode ended by a limit) and generated in chunks of 1 token, so a cut can fall inside a
+turn and siblings are out of lockstep (issue 44's shape)."""
 
 
 class ChaosViolation(AssertionError):
