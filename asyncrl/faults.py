@@ -19,6 +19,9 @@ first decode step after a checkpoint holding partial samples became durable, on 
 resumed at. A launch that never reaches the state is not killed, so a test sees that (exit 0,
 not -9) and says its precondition was not met.
 
+`ASYNCRL_FAULT_SIGNAL=SIGTERM` sends that signal instead of SIGKILL, once: a preemption
+notice placed by state (`train.backward[step=3]:2`: in the middle of step 3's passes).
+
 Facts come from the point's call (`fault_point("train.optimizer_step", step=t)`) and from the
 calling thread's `fault_facts(...)` context: the checkpoint writer states the facts of the cut
 it writes for every point of that write.
@@ -52,6 +55,7 @@ POINTS = (
     "checkpoint.renamed",  # temp dir renamed to step_NNNNNN, before the parent fsync
     "checkpoint.parent_fsynced",  # the checkpoint is durable
     "checkpoint.retention_deleted",  # one old checkpoint deleted
+    "train.backward",  # a micro-batch's backward pass about to run (its step changed nothing)
     "train.optimizer_step",  # step's optimizer update done, weights not yet published
     "train.weights_published",  # step's new version handed to the engine
     "collector.group_buffered",  # one chunk moved groups from in flight to the buffer
@@ -78,6 +82,7 @@ EPISODE_POINTS = (
 (tests/test_episode_crash.py)."""
 FACTS: dict[str, tuple[str, ...]] = {
     **{point: CUT_FACTS for point in POINTS if point.startswith("checkpoint.")},
+    "train.backward": ("step",),
     "train.optimizer_step": ("step",),
     "train.weights_published": ("step",),
     "rank.step_done": ("step",),
@@ -157,7 +162,16 @@ class Trigger:
         return self.index == len(self.stages)
 
 
+def parse_signal(name: str) -> signal.Signals:
+    """The signal of `ASYNCRL_FAULT_SIGNAL` (default SIGKILL); ValueError naming it if unknown."""
+    try:
+        return signal.Signals[name or "SIGKILL"]
+    except KeyError:
+        raise ValueError(f"ASYNCRL_FAULT_SIGNAL: unknown signal {name!r}, e.g. SIGTERM") from None
+
+
 _STAGES = parse(os.environ.get("ASYNCRL_FAULT", ""))
+_SIGNAL = parse_signal(os.environ.get("ASYNCRL_FAULT_SIGNAL", ""))
 _TRIGGER = Trigger(_STAGES) if _STAGES else None
 _lock = threading.Lock()
 _local = threading.local()
@@ -175,13 +189,14 @@ def fault_facts(**facts: int) -> Iterator[None]:
 
 
 def fault_point(name: str, **facts: int) -> None:
-    """Marks a crash point; kills this process with SIGKILL where `ASYNCRL_FAULT` is reached."""
+    """Marks a crash point; kills this process with SIGKILL where `ASYNCRL_FAULT` is reached
+    (or sends it `ASYNCRL_FAULT_SIGNAL`, once: a preemption notice placed by state)."""
     if _TRIGGER is None:
         return
     with _lock:
         reached = _TRIGGER.passed(name, {**getattr(_local, "facts", {}), **facts})
     if reached:
-        os.kill(os.getpid(), signal.SIGKILL)
+        os.kill(os.getpid(), _SIGNAL)
 
 
 def cut_facts(states: dict[str, Any]) -> dict[str, int]:

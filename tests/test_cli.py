@@ -57,6 +57,7 @@ FROZEN_CONFIG_KEYS = [
     # the `rloo` algorithm's own keys (asyncrl/config/algos.py RLOOOptions)
     "algo.entropy_scale",
     "checkpoint.save_period", "checkpoint.every_s", "checkpoint.when_busy",
+    "checkpoint.grace_s", "checkpoint.signal_warning_s",
     "checkpoint.keep_last", "checkpoint.resume_policy", "checkpoint.staging_buffer",
     "eval.every_steps", "eval.at_start", "eval.path", "eval.split", "eval.max_examples",
     "eval.num_samples", "eval.temperature", "eval.greedy", "eval.pass_threshold",

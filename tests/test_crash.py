@@ -180,12 +180,15 @@ def test_sigterm_writes_an_emergency_checkpoint_and_the_resume_redoes_nothing_fi
     out, _ = proc.communicate(timeout=60)
     assert proc.returncode == 75, out
     events = read_records(run / "events.jsonl")
-    assert [e["event"] for e in events][-2:] == ["signal", "checkpoint"]
-    stopped_at = events[-2]["step"]
-    assert events[-2]["signal"] == "SIGTERM" and stopped_at >= 7
-    assert events[-1]["step"] == stopped_at
+    assert [e["event"] for e in events][-4:] == [
+        "preemption_notice", "signal", "checkpoint", "preemption_result",
+    ]  # fmt: skip
+    stopped_at = events[-3]["step"]
+    assert events[-3]["signal"] == "SIGTERM" and stopped_at >= 7
+    assert events[-2]["step"] == events[-1]["step"] == events[-4]["step"] == stopped_at
+    assert events[-1]["met"] is True  # checkpoint.grace_s's 30 s
     assert (run / "checkpoints" / f"step_{stopped_at:06d}" / "manifest.json").is_file()
-    buffered_at_stop = events[-1]["buffered"]
+    buffered_at_stop = events[-2]["buffered"]
 
     out = finish(run, repo_root, "run.max_num_steps=" + str(stopped_at + 3))
     (resume,) = [e for e in read_records(run / "events.jsonl") if e["event"] == "resume"]

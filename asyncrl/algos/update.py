@@ -7,7 +7,8 @@ import contextlib
 import copy
 import hashlib
 import math
-from collections.abc import Iterable, Iterator
+import threading
+from collections.abc import Callable, Iterable, Iterator
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -16,6 +17,7 @@ from transformers import PreTrainedModel
 from asyncrl.config import AlgoConfig
 from asyncrl.core.losses import kl_estimate, masked_mean, masked_sum, normalise
 from asyncrl.core.types import Group
+from asyncrl.faults import fault_point
 from asyncrl.models.logprobs import completion_logprobs
 from asyncrl.models.lora import is_lora
 
@@ -205,12 +207,42 @@ def adamw(
     )
 
 
+class StepAbandoned(Exception):
+    """A preemption notice came while the training step had changed no weight yet: the step is
+    given up (its gradients dropped), so the run's checkpoint can be cut at once, at the state
+    before it (`abandonable`)."""
+
+
+_scope = threading.local()
+
+
+@contextlib.contextmanager
+def abandonable(stop: Callable[[], bool]) -> Iterator[None]:
+    """The training step inside may be given up while `stop()` says so and no optimizer step
+    has been taken: each micro-batch's `backward` raises `StepAbandoned` first (an algorithm
+    needs nothing of its own for it; `apply_gradients` ends the chance). One trainer rank only:
+    with several, every rank must run the same passes."""
+    _scope.stop, _scope.committed = stop, False
+    try:
+        yield
+    finally:
+        _scope.stop = None
+
+
+def _give_up_if_stopped() -> None:
+    stop = getattr(_scope, "stop", None)
+    if stop is not None and not _scope.committed and stop():
+        raise StepAbandoned("a preemption notice came before the step changed a weight")
+
+
 def backward(loss: torch.Tensor, what: str = "loss", check: bool = True) -> float:
     """Accumulates `loss`'s gradient (one micro-batch's share of the step's loss); raises
-    `NonFiniteLoss` before that if it is not finite. Returns its value. `check=False` (ranks
-    > 1: every rank must run the backward's collectives) leaves the refusal to
-    `apply_gradients`, whose gradient norm is global: a non-finite loss on any rank makes it
-    non-finite on all."""
+    `NonFiniteLoss` before that if it is not finite, and `StepAbandoned` inside `abandonable`
+    when a stop was asked. Returns its value. `check=False` (ranks > 1: every rank must run the
+    backward's collectives) leaves the refusal to `apply_gradients`, whose gradient norm is
+    global: a non-finite loss on any rank makes it non-finite on all."""
+    fault_point("train.backward")
+    _give_up_if_stopped()
     value = loss.item()
     if check and not math.isfinite(value):
         raise NonFiniteLoss(f"{what} is {value}; the step was not applied")
@@ -228,6 +260,7 @@ def apply_gradients(
     gradients (they take as much memory as the weights; nothing reads them between steps).
     Returns the gradient norm; raises `NonFiniteLoss` before changing any weight if it is not
     finite."""
+    _scope.committed = True  # from here on the step changes weights: it is finished
     params = list(parameters)
     grad_norm = torch.nn.utils.clip_grad_norm_(params, max_grad_norm or float("inf"))
     if not torch.isfinite(grad_norm):

@@ -14,6 +14,7 @@ from asyncrl.checkpoint.snapshot import decode_parts, read_parts
 from asyncrl.checkpoint.store import Verified
 from asyncrl.core.buffer import tokens_per_group
 from asyncrl.core.resume import POLICIES, ResumePolicy, SavedLedger, SavedSample, plan_resume
+from asyncrl.train.preemption import tail_events
 
 
 def inspect_run_dir(run_dir: Path) -> dict[str, Any]:
@@ -55,6 +56,7 @@ def inspect_run_dir(run_dir: Path) -> dict[str, Any]:
         if env_name
         else None,
         "resume_cost": {policy: _cost(saved, policy, restore == "restart") for policy in POLICIES},
+        "last_preemption": last_preemption(run_dir),
         "rejected": rejected,
     }
 
@@ -85,6 +87,18 @@ def _steps_past(
             elif record.get("kind") == "result":
                 answered.add(sid)
     return {"logged": len(asked), "unanswered": len(asked - answered)}
+
+
+def last_preemption(run_dir: Path) -> dict[str, Any] | None:
+    """The run's last preemption notice and what came of it (`preemption_notice` and
+    `preemption_result` events, from the end of `events.jsonl`); None if none is there."""
+    events = tail_events(run_dir / "events.jsonl")
+    notices = [i for i, e in enumerate(events) if e.get("event") == "preemption_notice"]
+    if not notices:
+        return None
+    notice = events[notices[-1]]
+    result = next((e for e in events[notices[-1] :] if e.get("event") == "preemption_result"), None)
+    return {"notice": notice, "result": result}
 
 
 def _restore_kind(env_name: str) -> str | None:
@@ -261,3 +275,21 @@ def render(info: dict[str, Any]) -> None:
             *(turns if episodes else ()),
         )
     console.print(costs)
+    if (preempted := info.get("last_preemption")) is not None:
+        console.print(preemption_line(preempted))
+
+
+def preemption_line(preempted: dict[str, Any]) -> str:
+    """`inspect`'s account of the run's last preemption notice."""
+    notice, result = preempted["notice"], preempted["result"]
+    deadline = "no deadline" if notice.get("deadline_s") is None else (
+        f"deadline {notice['deadline_s']:g} s")  # fmt: skip
+    head = f"last preemption: {notice['source']} at step {notice['step']} ({deadline})"
+    if result is None:
+        return f"{head}: no checkpoint was verified after it (killed before?)"
+    met = {True: "met", False: "MISSED", None: "no deadline"}[result.get("met")]
+    given_up = ", its step given up" if result.get("abandoned_step") else ""
+    return (
+        f"{head}: checkpoint of step {result['step']} verified "
+        f"{result['notice_to_durable_s']:.2f} s after the notice ({met}{given_up})"
+    )

@@ -3,8 +3,8 @@
 Exit codes: 0 done; 1 the run failed, or `audit` found violations, or `inspect` found no
 verified checkpoint; 2 bad input (config, data, run dir; for `export` and `eval` also no
 verified or no such checkpoint, OUT not empty) with a message naming what to fix;
-75 stopped by SIGTERM/SIGINT after writing a checkpoint (run the same command to resume);
-130 a second signal aborted at once.
+75 stopped by a preemption notice (SIGTERM, SIGUSR1, SIGUSR2, SIGINT) after writing a
+checkpoint (run the same command to resume); 130 the same signal twice aborted at once.
 """
 
 from __future__ import annotations
@@ -116,6 +116,7 @@ def _train(args: argparse.Namespace) -> int:
     stop.install()
     try:
         config = load_config(args.config, args.overrides)
+        stop.configure(config.checkpoint.grace_s, config.checkpoint.signal_warning_s)
         train(
             config, Path(args.run_dir), stop, restart=args.restart, force_config=args.force_config
         )

@@ -350,6 +350,14 @@ class CheckpointConfig:
     until the write ends, so the checkpoints' steps depend on the config alone. A stop's
     emergency checkpoint and the final one always wait. (With `every_s` on, which steps get
     one depends on the wall clock either way.)"""
+    grace_s: float = field(default=30.0, metadata=MAY_CHANGE)
+    """SIGTERM's deadline: the seconds between the signal and the kill (Kubernetes'
+    `terminationGracePeriodSeconds`, 30 by default; a spot instance's notice). At the signal
+    the run says whether its checkpoint fits before it, from this run's measured checkpoint
+    times, and cuts at its earliest consistent point (docs/failures.md)."""
+    signal_warning_s: float = field(default=60.0, metadata=MAY_CHANGE)
+    """SIGUSR1's and SIGUSR2's deadline: Slurm's `--signal=USR1@N` sends it N seconds before
+    the job's end (60 when `@N` is left out); set this to that N."""
     keep_last: int = field(default=3, metadata=MAY_CHANGE)
     """Verified checkpoints of this run to keep; older ones are deleted after each save. The
     newest verified checkpoint is never deleted."""
@@ -370,6 +378,13 @@ class CheckpointConfig:
         _require(self.save_period >= 1, "checkpoint.save_period", self.save_period, ">= 1")
         _require(self.keep_last >= 1, "checkpoint.keep_last", self.keep_last, ">= 1")
         _require(self.every_s >= 0, "checkpoint.every_s", self.every_s, ">= 0")
+        _require(self.grace_s >= 0, "checkpoint.grace_s", self.grace_s, ">= 0")
+        _require(
+            self.signal_warning_s >= 0,
+            "checkpoint.signal_warning_s",
+            self.signal_warning_s,
+            ">= 0",
+        )
 
 
 @dataclass

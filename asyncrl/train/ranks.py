@@ -60,6 +60,7 @@ from asyncrl.distributed.heartbeat import Heartbeat, describe, group_store
 from asyncrl.distributed.ranks import LOCAL_RENDEZVOUS, TorchRanks, init_ranks
 from asyncrl.faults import fault_facts, fault_point
 from asyncrl.models.device import resolve_device
+from asyncrl.train.signals import SIGNALS
 
 COLLECTIVE_DEATH_WAIT_S = 5.0
 """After a failed collective, how long rank 0 waits for a rank it started to be seen dead (so
@@ -327,8 +328,8 @@ def serve(device: torch.device) -> int:
     from asyncrl.config.keys import build_config
     from asyncrl.train.components import build_trainer_side
 
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # rank 0 stops the run, with our help
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    for signum in SIGNALS:  # rank 0 stops the run, with our help (SIGUSR1's default kills)
+        signal.signal(signum, signal.SIG_IGN)
     if "ASYNCRL_PARENT_PID" in os.environ:
         _watch_parent(int(os.environ["ASYNCRL_PARENT_PID"]))
     ranks = init_ranks(device)

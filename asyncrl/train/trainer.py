@@ -35,6 +35,7 @@ import torch
 import transformers
 from tqdm import tqdm
 
+from asyncrl.algos.update import StepAbandoned, abandonable
 from asyncrl.checkpoint.restore import SKIP_RESTORE, ShapeMismatch, load_parts
 from asyncrl.checkpoint.schedule import CheckpointSchedule
 from asyncrl.checkpoint.snapshot import RNGState, Snapshot, Stateful, decode
@@ -46,7 +47,8 @@ from asyncrl.config.keys import benign_differences, config_hash
 from asyncrl.core.buffer import tokens_per_group
 from asyncrl.core.episodes import recorded_steps
 from asyncrl.core.resume import ResumePlan, continued_samples, plan_resume
-from asyncrl.faults import cut_facts, fault_point
+from asyncrl.core.types import Group
+from asyncrl.faults import cut_facts, fault_facts, fault_point
 from asyncrl.models.device import dtype_line, model_device
 from asyncrl.models.lora import check_base, checkpoint_part, save_final
 from asyncrl.rollout.collector import Chunk, GenerationFailed
@@ -54,6 +56,7 @@ from asyncrl.rollout.episodes import EpisodeRunner
 from asyncrl.rollout.evaluation import eval_line, is_eval_record
 from asyncrl.tasks.environments import environment_class
 from asyncrl.train.components import build_components
+from asyncrl.train.preemption import Deadlines
 from asyncrl.train.ranks import (
     COLLECTIVE_DEATH_WAIT_S,
     RankFailed,
@@ -142,11 +145,11 @@ class Trainer:
         self.schedule = CheckpointSchedule(
             saves.save_period, saves.every_s, saves.when_busy, last_saved_s=self._start_s
         )
+        self.deadlines = Deadlines(self.run_dir / "events.jsonl")
+        """Measured checkpoint times, for a preemption notice's deadline."""
+        self.abandoned_step: int | None = None
         self.writer = CheckpointWriter(
-            run.store,
-            config_hash(config),
-            config.checkpoint.keep_last,
-            lambda fields: self.logs.events.emit("checkpoint", **fields),
+            run.store, config_hash(config), config.checkpoint.keep_last, self._saved
         )
 
     # --- state ----------------------------------------------------------------------------
@@ -378,18 +381,24 @@ class Trainer:
 
     def _on_preempted(self, stop: Preempted) -> None:
         """The emergency checkpoint, first: the cut needs no pause of generation, and a
-        preempted machine's grace period is short."""
-        self.logs.events.emit("signal", signal=stop.signal_name, step=self.step)
+        preempted machine's grace period is short. The notice is announced (does the
+        checkpoint fit before its deadline?) and the result recorded against it."""
+        emit = self.logs.events.emit
+        self.deadlines.announce(self.stop, self.step, emit)
+        emit("signal", signal=stop.signal_name, step=self.step)
         try:
             self.writer.wait()
         except CheckpointError as err:  # an earlier periodic save failed: still try this one
             print(f"asyncrl: an earlier checkpoint write failed: {err}")
         if self.last_saved_step != self.step:
             self.checkpoint(wait=True, reason="stop")
-        print(
-            f"asyncrl: {stop.signal_name}: checkpoint of step {self.step} written; run the same "
-            "command again to resume"
-        )
+        self.deadlines.announce(self.stop, self.step, emit)  # one that came meanwhile
+        print(self.deadlines.finish(self.stop, self.step, self.abandoned_step == self.step, emit))
+
+    def _saved(self, fields: dict[str, Any]) -> None:
+        """A checkpoint verified (the writer's thread): its event, and its time measured."""
+        self.logs.events.emit("checkpoint", **fields)
+        self.deadlines.saved(fields)
 
     def _wait_check(self) -> None:
         self.parts.collector.check()
@@ -409,7 +418,7 @@ class Trainer:
         train_start = time.perf_counter()
         if self.group is not None:
             self.group.command("step", step=step)  # the algorithm sends what ranks need
-        algo_metrics = self.parts.algo.step(groups, step)
+        algo_metrics = self._algo_step(groups, step)
         fault_point("train.optimizer_step", step=step)
         trained = time.perf_counter()
         self.logs.timeline.write(
@@ -440,6 +449,21 @@ class Trainer:
         self._wall_s = record["wall_s"]
         self.step = step + 1
         return record
+
+    def _algo_step(self, groups: list[Group], step: int) -> dict[str, float]:
+        """The algorithm's step; with one rank, given up at a preemption notice that comes
+        before it changed a weight: its groups go back to the buffer and the run stops at the
+        state before it, its earliest consistent point."""
+        if self.group is not None:  # every rank must run the same passes
+            return self.parts.algo.step(groups, step)
+        try:
+            with fault_facts(step=step), abandonable(lambda: self.stop.requested):
+                return self.parts.algo.step(groups, step)
+        except StepAbandoned:
+            for group in groups:
+                self.parts.buffer.add(group)
+            self.abandoned_step = step
+            raise Preempted(self.stop.signal_name or "signal") from None
 
     def _evaluate(self, version: int) -> dict[str, float]:
         """`eval/...` metrics of weights `version` when the evaluation is due for it (also an

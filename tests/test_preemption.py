@@ -1,0 +1,94 @@
+"""Preemption notices and deadlines (`asyncrl.core.preemption`, issue 43): the pure rules, by
+hand-computed cases."""
+
+from __future__ import annotations
+
+import pytest
+
+from asyncrl.core.preemption import (
+    Measured,
+    Notice,
+    estimate_s,
+    first_deadline,
+    notice_deadline,
+    outcome,
+    plan_stop,
+)
+
+
+def test_each_signal_announces_its_deadline():
+    assert notice_deadline("SIGTERM", 30.0, 90.0) == 30.0
+    assert notice_deadline("SIGUSR1", 30.0, 90.0) == 90.0
+    assert notice_deadline("SIGUSR2", 30.0, 90.0) == 90.0
+    assert notice_deadline("SIGINT", 30.0, 90.0) is None
+
+
+def test_the_first_deadline_wins_and_a_deadline_beats_none():
+    usr1 = Notice("SIGUSR1", received_s=100.0, deadline_s=90.0)  # at 190
+    term = Notice("SIGTERM", received_s=150.0, deadline_s=30.0)  # at 180
+    stop = Notice("SIGINT", received_s=10.0, deadline_s=None)
+    assert first_deadline([usr1, term, stop]) is term
+    assert first_deadline([stop, usr1]) is usr1
+    assert first_deadline([stop]) is stop
+    assert first_deadline([]) is None
+
+
+def test_a_checkpoint_is_estimated_at_the_slowest_rate_measured():
+    measured = [Measured(1000, 2.0), Measured(1000, 4.0), Measured(2000, 2.0)]  # 500, 250, 1000 B/s
+    assert estimate_s(measured) == pytest.approx(8.0)  # the last one's 2000 B at 250 B/s
+    assert estimate_s(measured, 500) == pytest.approx(2.0)
+    assert estimate_s([]) is None
+
+
+def test_the_plan_says_whether_the_checkpoint_fits_before_the_deadline():
+    notice = Notice("SIGTERM", received_s=100.0, deadline_s=10.0)
+    fits = plan_stop(notice, now_s=101.0, estimate=8.5)
+    assert (fits.left_s, fits.fits) == (pytest.approx(9.0), True)
+    assert "it fits" in fits.line(notice, 12, 10)
+    late = plan_stop(notice, now_s=103.0, estimate=8.5)
+    assert late.fits is False
+    assert "does NOT fit" in late.line(notice, 12, 10) and "step 10's" in late.line(notice, 12, 10)
+    unknown = plan_stop(notice, now_s=101.0, estimate=None)
+    assert unknown.fits is None and "no checkpoint of this run measured" in unknown.line(
+        notice, 0, None
+    )
+    ctrl_c = Notice("SIGINT", received_s=100.0, deadline_s=None)
+    assert plan_stop(ctrl_c, 101.0, 3.0).fits is None
+
+
+def test_the_outcome_is_measured_from_the_notice_to_verified():
+    notice = Notice("SIGTERM", received_s=100.0, deadline_s=10.0)
+    assert outcome(notice, 107.5) == {
+        "notice_to_durable_s": pytest.approx(7.5), "deadline_s": 10.0, "met": True,
+    }  # fmt: skip
+    assert outcome(notice, 110.5)["met"] is False
+    assert outcome(Notice("SIGINT", 100.0, None), 101.0)["met"] is None
+
+
+def test_a_stop_request_keeps_every_notice_and_the_configs_deadlines():
+    from asyncrl.train.signals import StopRequest
+
+    stop = StopRequest()
+    assert not stop.requested and stop.notice is None
+    stop.receive("SIGUSR1", now_s=100.0)  # before the config was read: the defaults
+    assert stop.notice.deadline_s == 60.0
+    stop.configure(grace_s=10.0, signal_warning_s=90.0)  # then the config's
+    assert stop.notice.deadline_s == 90.0  # at 190
+    stop.receive("SIGTERM", now_s=150.0)  # Slurm's end of job: at 160, earlier
+    assert stop.requested and stop.signal_name == "SIGUSR1"
+    assert (stop.notice.source, stop.notice.deadline_at) == ("SIGTERM", 160.0)
+    assert [n.source for n in stop.notices] == ["SIGUSR1", "SIGTERM"]
+
+
+def test_the_benchmarks_last_line_names_each_time_and_the_deadlines_met():
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    from preemption import Result, result_line
+
+    results = [Result("25M", "full", 25, 4, 1.25, True, True, 10),
+               Result("300M", "full", 300, 5, 31.0, False, False, 10)]  # fmt: skip
+    assert result_line("preemption", results, 30.0) == (
+        "preemption: notice_to_durable_s=1.2,31.0 deadline_s=30 met=1/2"
+    )

@@ -1,0 +1,124 @@
+"""Preemption notices with deadlines, end to end (issue 43): real `asyncrl train` processes get
+SIGTERM or SIGUSR1 at a state placed by a fault point (`ASYNCRL_FAULT_SIGNAL`), stop at their
+earliest consistent point with a verified checkpoint (exit 75), say at the notice whether it
+fits before the deadline, and resume bit for bit the run without the notice."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import launcher
+import pytest
+from helpers import read_records
+from test_determinism import DETERMINISTIC, STEPS, fingerprint
+
+from asyncrl.checkpoint.run_checkpoints import run_store
+from asyncrl.cli.audit import audit_run_dir
+from asyncrl.cli.inspect import inspect_run_dir, preemption_line
+
+pytestmark = pytest.mark.slow
+
+MICRO = ["train.micro_batch_size=4"]
+"""16 rows a step in 4 micro-batches: a notice can come between two of them."""
+
+
+def launch(run: Path, repo_root: Path, fault: str = "", sig: str = "", extra=()) -> tuple:
+    env = {**os.environ, "PYTHONWARNINGS": "ignore", "ASYNCRL_FAULT": fault,
+           "ASYNCRL_FAULT_SIGNAL": sig}  # fmt: skip
+    command = [sys.executable, "-m", "asyncrl.cli", "train", str(repo_root / "configs/demo.yaml")]
+    proc = launcher.popen(
+        [*command, "--run-dir", str(run), *DETERMINISTIC, *MICRO, *extra],
+        env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )  # fmt: skip
+    out, _ = proc.communicate(timeout=480)
+    return proc.returncode, out
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory, request):
+    run = tmp_path_factory.mktemp("reference") / "run"
+    code, out = launch(run, Path(request.config.rootpath))
+    assert code == 0, out[-3000:]
+    steps, weights = fingerprint(run)
+    assert len(steps) == STEPS
+    return steps, weights
+
+
+def events_of(run: Path, name: str) -> list[dict]:
+    return [e for e in read_records(run / "events.jsonl") if e["event"] == name]
+
+
+@pytest.mark.parametrize(
+    ("fault", "stopped_at", "given_up"),
+    [
+        # between step 7's micro-batches: the step has changed no weight, so it is given up and
+        # the checkpoint is of step 7, the state before it
+        ("train.backward[step=7]:2", 7, True),
+        # the control: right after step 7's optimizer update the step is finished, so the
+        # checkpoint is of step 8 (the next boundary, as before issue 43)
+        ("train.optimizer_step[step=7]", 8, False),
+    ],
+    ids=["mid-step", "after-update"],
+)
+def test_sigterm_stops_at_the_earliest_consistent_point_and_resumes_bitwise(
+    tmp_path, repo_root, reference, fault, stopped_at, given_up
+):
+    run = tmp_path / "run"
+    code, out = launch(run, repo_root, fault, "SIGTERM", ["checkpoint.grace_s=30"])
+    assert code == 75, out[-3000:]
+    (notice,) = events_of(run, "preemption_notice")
+    assert (notice["source"], notice["deadline_s"], notice["step"]) == ("SIGTERM", 30.0, stopped_at)
+    assert notice["fits"] is True and notice["checkpoint_estimate_s"] > 0  # step 6's, measured
+    (result,) = events_of(run, "preemption_result")
+    assert (result["step"], result["abandoned_step"], result["met"]) == (stopped_at, given_up, True)
+    assert 0 < result["notice_to_durable_s"] < 30
+    latest, _ = run_store(run).latest()
+    assert latest is not None and latest.step == stopped_at  # verified
+    assert "it fits" in out and f"checkpoint of step {stopped_at} verified" in out
+    assert ("given up" in out) == given_up
+    line = preemption_line(inspect_run_dir(run)["last_preemption"])
+    assert line.startswith(f"last preemption: SIGTERM at step {stopped_at} (deadline 30 s)")
+    assert "(met" in line
+    code, out = launch(run, repo_root)
+    assert code == 0, out[-3000:]
+    assert fingerprint(run) == reference
+    assert audit_run_dir(run).ok, audit_run_dir(run).violations
+
+
+def test_a_deadline_the_checkpoint_cannot_meet_is_said_at_the_notice(tmp_path, repo_root):
+    """`checkpoint.grace_s` shorter than any checkpoint this run measured: the run says so at
+    the notice, still writes and verifies its checkpoint (never a torn one), and records that
+    the deadline was missed; the resume is exact."""
+    run = tmp_path / "run"
+    code, out = launch(run, repo_root, "train.backward[step=7]:2", "SIGTERM",
+                       ["checkpoint.grace_s=0.001"])  # fmt: skip
+    assert code == 75, out[-3000:]
+    # the newest verified checkpoint stands: step 6's, or step 3's while 6's is being written
+    assert "does NOT fit" in out and re.search(r"\(step [36]'s\) stands", out)
+    (notice,) = events_of(run, "preemption_notice")
+    assert notice["fits"] is False
+    (result,) = events_of(run, "preemption_result")
+    assert result["met"] is False and "AFTER the deadline" in out
+    assert "(MISSED" in preemption_line(inspect_run_dir(run)["last_preemption"])
+    latest, _ = run_store(run).latest()
+    assert latest is not None and latest.step == 7
+    code, out = launch(run, repo_root)
+    assert code == 0, out[-3000:]
+    assert audit_run_dir(run).ok
+
+
+def test_slurms_sigusr1_is_a_notice_with_its_own_deadline(tmp_path, repo_root):
+    run = tmp_path / "run"
+    code, out = launch(run, repo_root, "train.backward[step=4]", "SIGUSR1",
+                       ["checkpoint.signal_warning_s=45"])  # fmt: skip
+    assert code == 75, out[-3000:]
+    (notice,) = events_of(run, "preemption_notice")
+    assert (notice["source"], notice["deadline_s"]) == ("SIGUSR1", 45.0)
+    (result,) = events_of(run, "preemption_result")
+    assert result["met"] is True and result["abandoned_step"] is True
+    latest, _ = run_store(run).latest()
+    assert latest is not None and latest.step == 4
