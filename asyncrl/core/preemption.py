@@ -77,6 +77,11 @@ def estimate_s(measured: Iterable[Measured], nbytes: int | None = None) -> float
     return size / min(m.rate for m in listed)
 
 
+def seconds(value: float) -> str:
+    """Seconds for a person: 2 decimals below 10, 1 above."""
+    return f"{value:.2f}" if abs(value) < 10 else f"{value:.1f}"
+
+
 @dataclass(frozen=True)
 class StopPlan:
     left_s: float | None
@@ -92,10 +97,10 @@ class StopPlan:
         head = f"asyncrl: {notice.source}: preemption notice; checkpointing step {step} now"
         if self.left_s is None:
             return f"{head} (no deadline)"
-        deadline = f"the deadline is in {self.left_s:.1f} s"
+        deadline = f"the deadline is in {seconds(self.left_s)} s"
         if self.estimate_s is None:
             return f"{head}; {deadline}; no checkpoint of this run measured yet"
-        took = f"a checkpoint takes ~{self.estimate_s:.1f} s here"
+        took = f"a checkpoint takes ~{seconds(self.estimate_s)} s here"
         if self.fits:
             return f"{head}; {deadline}, {took}: it fits"
         stands = "none" if verified_step is None else f"step {verified_step}'s"

@@ -12,7 +12,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from asyncrl.core.preemption import Measured, estimate_s, outcome, plan_stop
+from asyncrl.core.preemption import Measured, estimate_s, outcome, plan_stop, seconds
 from asyncrl.train.signals import StopRequest
 
 TAIL_BYTES = 64 << 10
@@ -93,11 +93,11 @@ class Deadlines:
         emit("preemption_result", source=notice.source, step=step, abandoned_step=abandoned,
              **result)  # fmt: skip
         took_s = float(result["notice_to_durable_s"] or 0.0)
-        took = f"verified {took_s:.2f} s after the notice"
+        took = f"verified {seconds(took_s)} s after the notice"
         if result["met"] is None:
             when = ""
         elif result["met"]:
-            when = f", {(notice.deadline_s or 0.0) - took_s:.1f} s before the deadline"
+            when = f", {seconds((notice.deadline_s or 0.0) - took_s)} s before the deadline"
         else:
             when = f", AFTER the deadline of {notice.deadline_s:g} s"
         given_up = f" (step {step}'s training given up: it changed no weight)" if abandoned else ""
