@@ -114,7 +114,7 @@ def test_reward_components_go_through_a_checkpoint_and_a_preempted_run_resumes_t
                     deadline = time.monotonic() + 120
                     while not len(self.parts.buffer) and time.monotonic() < deadline:
                         time.sleep(0.01)
-                    stop.signal_name = "SIGTERM"  # as the signal handler would
+                    stop.receive("SIGTERM")  # as the signal handler would
                 return record
 
             monkeypatch.setattr(Trainer, "train_step", train_step)
@@ -159,7 +159,7 @@ def test_a_reward_that_hangs_without_a_timeout_does_not_hold_up_a_preemption(tmp
     def preempt_once_hung() -> None:  # the SIGTERM comes while a reward call hangs
         while not hung_reward_pids(tmp_path / "failures"):
             time.sleep(0.01)
-        stop.signal_name = "SIGTERM"  # as the signal handler would
+        stop.receive("SIGTERM")  # as the signal handler would
 
     threading.Thread(target=preempt_once_hung, daemon=True).start()
     with pytest.raises(Preempted):
