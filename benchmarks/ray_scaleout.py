@@ -71,7 +71,7 @@ def probe(megabytes: float, repeats: int = 5) -> dict[str, float]:
     import ray
     import torch
 
-    ray.init(num_cpus=2, include_dashboard=False, _node_ip_address="127.0.0.1")
+    ray.init(address="local", num_cpus=2, include_dashboard=False, _node_ip_address="127.0.0.1")
 
     @ray.remote
     class Sink:

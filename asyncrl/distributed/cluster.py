@@ -29,5 +29,8 @@ def start_ray(config: Config) -> bool:
     if config.ray.address:
         ray.init(address=config.ray.address, **common)
     else:
-        ray.init(num_cpus=os.cpu_count() or 1, _node_ip_address="127.0.0.1", **common)
+        # "local": a new Ray of this run's own, even where `ray start` left a cluster behind
+        ray.init(
+            address="local", num_cpus=os.cpu_count() or 1, _node_ip_address="127.0.0.1", **common
+        )
     return True
