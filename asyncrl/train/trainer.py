@@ -456,10 +456,12 @@ class Trainer:
         state before it, its earliest consistent point."""
         if self.group is not None:  # every rank must run the same passes
             return self.parts.algo.step(groups, step)
+        torch_rng = torch.get_rng_state()  # a pass's draws (dropout) are given up too
         try:
             with fault_facts(step=step), abandonable(lambda: self.stop.requested):
                 return self.parts.algo.step(groups, step)
         except StepAbandoned:
+            torch.set_rng_state(torch_rng)
             for group in groups:
                 self.parts.buffer.add(group)
             self.abandoned_step = step
