@@ -13,7 +13,8 @@ from asyncrl.checkpoint.run_checkpoints import run_store
 from asyncrl.checkpoint.snapshot import decode_parts, read_parts
 from asyncrl.checkpoint.store import Verified
 from asyncrl.core.buffer import tokens_per_group
-from asyncrl.core.resume import POLICIES, ResumePolicy, SavedLedger, SavedSample, plan_resume
+from asyncrl.core.partial import Partial
+from asyncrl.core.resume import POLICIES, ResumePolicy, SavedLedger, plan_resume
 from asyncrl.train.preemption import tail_events
 
 
@@ -157,18 +158,8 @@ def _saved_ledger(
         partial_tokens={k: sum(v["lengths"]) for k, v in samples.items()},
         buffered_tokens=tokens_per_group(decoded["buffer"]),
         partial_samples={
-            k: [
-                SavedSample(length, e["turns"], e["done"], f)
-                if e
-                else SavedSample(length, finished=f)
-                for length, f, e in zip(
-                    v["lengths"],
-                    v["finished"],
-                    episodes.get(k, [{}] * len(v["lengths"])),
-                    strict=True,
-                )
-            ]
-            for k, v in samples.items()
+            int(k): Partial.from_state(p).saved_samples()
+            for k, p in decoded["ledger"].get("partial", {}).items()
         },
     )
     return saved, samples, episodes
