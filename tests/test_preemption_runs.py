@@ -74,30 +74,38 @@ def test_sigterm_stops_at_the_earliest_consistent_point_and_resumes_bitwise(
     assert code == 75, out[-3000:]
     (notice,) = events_of(run, "preemption_notice")
     assert (notice["source"], notice["deadline_s"], notice["step"]) == ("SIGTERM", 30.0, stopped_at)
-    assert notice["fits"] is True and notice["checkpoint_estimate_s"] > 0  # step 6's, measured
+    assert notice["checkpoint_estimate_s"] > 0  # step 6's, measured
     (result,) = events_of(run, "preemption_result")
-    assert (result["step"], result["abandoned_step"], result["met"]) == (stopped_at, given_up, True)
-    assert 0 < result["notice_to_durable_s"] < 30
+    assert (result["step"], result["abandoned_step"]) == (stopped_at, given_up)
     latest, _ = run_store(run).latest()
     assert latest is not None and latest.step == stopped_at  # verified
-    assert "it fits" in out and f"checkpoint of step {stopped_at} verified" in out
+    assert f"checkpoint of step {stopped_at} verified" in out
     assert ("given up" in out) == given_up
     line = preemption_line(inspect_run_dir(run)["last_preemption"])
     assert line.startswith(f"last preemption: SIGTERM at step {stopped_at} (deadline 30 s)")
-    assert "(met" in line
+    agrees_with_itself(notice, result, out, line)
     code, out = launch(run, repo_root)
     assert code == 0, out[-3000:]
     assert fingerprint(run) == reference
     assert audit_run_dir(run).ok, audit_run_dir(run).violations
 
 
+def agrees_with_itself(notice: dict, result: dict, out: str, line: str) -> None:
+    """What the run said at the notice and after follows from the times it measured (the
+    verdicts themselves are times, so a test checks their account, not the clock)."""
+    assert notice["fits"] == (notice["checkpoint_estimate_s"] <= notice["left_s"])
+    assert ("it fits" in out) == notice["fits"] and ("does NOT fit" in out) != notice["fits"]
+    assert result["met"] == (result["notice_to_durable_s"] <= result["deadline_s"])
+    assert ("(met" in line) == result["met"] and ("AFTER the deadline" in out) != result["met"]
+
+
 def test_a_deadline_the_checkpoint_cannot_meet_is_said_at_the_notice(tmp_path, repo_root):
-    """`checkpoint.grace_s` shorter than any checkpoint this run measured: the run says so at
-    the notice, still writes and verifies its checkpoint (never a torn one), and records that
-    the deadline was missed; the resume is exact."""
+    """`checkpoint.grace_s=0`: no checkpoint fits (nor is met) whatever the machine's speed.
+    The run says so at the notice, still writes and verifies its checkpoint (never a torn one),
+    and records that the deadline was missed; the resume is exact."""
     run = tmp_path / "run"
     code, out = launch(run, repo_root, "train.backward[step=7]:2", "SIGTERM",
-                       ["checkpoint.grace_s=0.001"])  # fmt: skip
+                       ["checkpoint.grace_s=0"])  # fmt: skip
     assert code == 75, out[-3000:]
     # the newest verified checkpoint stands: step 6's, or step 3's while 6's is being written
     assert "does NOT fit" in out and re.search(r"\(step [36]'s\) stands", out)
@@ -121,9 +129,12 @@ def test_slurms_sigusr1_is_a_notice_with_its_own_deadline(tmp_path, repo_root):
     (notice,) = events_of(run, "preemption_notice")
     assert (notice["source"], notice["deadline_s"]) == ("SIGUSR1", 45.0)
     (result,) = events_of(run, "preemption_result")
-    assert result["met"] is True and result["abandoned_step"] is True
+    assert result["abandoned_step"] is True
     latest, _ = run_store(run).latest()
     assert latest is not None and latest.step == 4
+    agrees_with_itself(
+        notice, result, out, preemption_line(inspect_run_dir(run)["last_preemption"])
+    )
 
 
 def test_the_same_signal_twice_aborts_at_once_and_the_previous_checkpoint_stands(
