@@ -74,6 +74,7 @@ def test_sigterm_stops_at_the_earliest_consistent_point_and_resumes_bitwise(
     assert code == 75, out[-3000:]
     (notice,) = events_of(run, "preemption_notice")
     assert (notice["source"], notice["deadline_s"], notice["step"]) == ("SIGTERM", 30.0, stopped_at)
+    assert notice["node"] and notice["deadline"] == pytest.approx(notice["time"] + notice["left_s"])
     assert notice["checkpoint_estimate_s"] > 0  # step 6's, measured
     (result,) = events_of(run, "preemption_result")
     assert (result["step"], result["abandoned_step"]) == (stopped_at, given_up)

@@ -73,6 +73,7 @@ class Deadlines:
             emit(
                 "preemption_notice",
                 source=notice.source,
+                deadline=None if plan.left_s is None else time.time() + plan.left_s,
                 deadline_s=notice.deadline_s,
                 node=notice.node,
                 step=step,
