@@ -28,6 +28,7 @@ SLOWEST_FILES = (
     "test_data_parallel_runs.py",
     "test_vllm_runs.py",
     "test_crash.py",
+    "test_ray_drain.py",
     "test_partial_crash.py",
     "test_smol_math_example.py",
     "test_chaos.py",

@@ -65,7 +65,7 @@ FROZEN_CONFIG_KEYS = [
     "logging.progress", "logging.tensorboard", "logging.plot", "logging.wandb",
     "logging.wandb_project", "logging.wandb_run_name", "logging.mlflow",
     "logging.mlflow_tracking_uri", "logging.mlflow_experiment",
-    "ray.address", "ray.num_cpus_per_worker",
+    "ray.address", "ray.num_cpus_per_worker", "ray.watch_drains", "ray.drain_poll_s",
 ]  # fmt: skip
 
 CONTRACT_METRICS = {

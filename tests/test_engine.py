@@ -154,3 +154,44 @@ def test_a_config_that_needs_a_capability_the_engine_lacks_is_refused_naming_bot
     assert "rollout.engine=torch does not have it" in message
     build_components(small_config())  # control: nothing needs pinning without determinism
     assert EngineCapabilities().pinned_versions is False
+
+
+def test_a_stopped_call_hands_back_its_tokens_and_another_engine_continues_them(policy):
+    """`stop_generating` (a Ray worker on a drained node) ends the call in progress after the
+    token being sampled, its samples unfinished; another engine continues them from their
+    prefixes and samples what one uninterrupted call samples (noise per request and token)."""
+    request = GenerationRequest(encode(policy, "31524="), 4, noise_seed=3)
+    whole = engine_for(policy, max_new_tokens=12, keep_cache=False).generate([request])[0]
+    engine = engine_for(policy, max_new_tokens=12, keep_cache=False)
+    forwards = []
+
+    def stop_after_three_decode_steps(module, args, kwargs, output):
+        forwards.append(1)
+        if len(forwards) == 4:  # the prefill and two tokens' passes: three tokens sampled
+            engine.stop_generating()  # as the drain watcher's remote call would, mid-call
+
+    hook = engine._model.register_forward_hook(stop_after_three_decode_steps, with_kwargs=True)
+    cut = engine.generate([request])[0]
+    hook.remove()
+    lengths = whole.completion_mask.sum(dim=1)
+    ended = lengths <= 3  # sampled EOS within those three tokens
+    assert int((~ended).sum()) > 0 and torch.equal(cut.finished_rows(), ended)
+    assert cut.completion_mask.sum(dim=1).tolist() == lengths.clamp(max=3).tolist()
+    assert torch.equal(cut.completion_ids, whole.completion_ids[:, :3])
+    # stopped for good: a later call hands its requests straight back, with no token
+    again = engine.generate([request])[0]
+    assert again.completion_ids.shape == (4, 0) and not again.finished_rows().any()
+    prefixes = tuple(
+        tuple(row[mask].tolist())
+        for row, mask in zip(cut.completion_ids, cut.completion_mask, strict=True)
+    )
+    rest = engine_for(policy, max_new_tokens=12, keep_cache=False).generate(
+        [dataclasses.replace(request, prefixes=prefixes, finished=tuple(ended.tolist()))]
+    )[0]
+    for i in range(4):  # each sample: its cut tokens, then the rest, as in the whole call
+        tokens = torch.cat([cut.completion_ids[i][cut.completion_mask[i]],
+                            rest.completion_ids[i][rest.completion_mask[i]]])  # fmt: skip
+        logprobs = torch.cat([cut.logprobs[i][cut.completion_mask[i]],
+                              rest.logprobs[i][rest.completion_mask[i]]])  # fmt: skip
+        assert torch.equal(tokens, whole.completion_ids[i][whole.completion_mask[i]])
+        assert torch.allclose(logprobs, whole.logprobs[i][whole.completion_mask[i]], atol=1e-5)

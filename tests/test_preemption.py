@@ -6,14 +6,20 @@ from __future__ import annotations
 import pytest
 
 from asyncrl.core.preemption import (
+    RAY_DRAIN,
+    Drain,
+    DrainPlan,
     Measured,
     Notice,
     estimate_s,
     first_deadline,
+    new_drains,
     notice_deadline,
     outcome,
+    plan_drain,
     plan_stop,
 )
+from asyncrl.train.signals import StopRequest
 
 
 def test_each_signal_announces_its_deadline():
@@ -92,3 +98,40 @@ def test_the_benchmarks_last_line_names_each_time_and_the_deadlines_met():
     assert result_line("preemption", results, 30.0) == (
         "preemption: notice_to_durable_s=1.2,31.0 deadline_s=30 met=1/2"
     )
+
+
+def test_each_drain_is_new_once_and_again_after_ray_stops_listing_it():
+    seen: set[str] = set()
+    assert new_drains({"b": 5000, "a": 0}, seen) == [Drain("a", 0), Drain("b", 5000)]
+    assert new_drains({"b": 5000, "a": 0}, seen) == []  # the same drains, looked at again
+    assert new_drains({"a": 0}, seen) == []  # b was killed (or its drain cancelled)
+    assert new_drains({"a": 0, "b": 9000}, seen) == [Drain("b", 9000)]  # b drained again
+    assert seen == {"a", "b"}
+
+
+def test_a_drain_deadline_is_rays_unix_milliseconds_or_none():
+    drain = Drain("n1", deadline_ms=1_000_030_000)
+    assert drain.left_s(1_000_000_000) == pytest.approx(30.0)
+    assert drain.left_s(1_000_040_000) == 0.0  # past: no time left, never negative
+    assert Drain("n1", 0).left_s(1_000_000_000) is None
+    notice = drain.notice(received_s=7.0, now_ms=1_000_010_000)
+    assert notice == Notice(RAY_DRAIN, 7.0, 20.0, "n1")
+    assert notice.deadline_at == pytest.approx(27.0)
+
+
+def test_a_drain_asks_the_trainer_or_the_generation_workers_on_its_node():
+    workers = ["w", "t", "w", ""]  # worker 3: a replacement Ray has not placed yet
+    assert plan_drain(Drain("w", 0), "t", workers) == DrainPlan(False, (0, 2))
+    assert plan_drain(Drain("t", 0), "t", workers) == DrainPlan(True, (1,))
+    assert plan_drain(Drain("x", 0), "t", workers) == DrainPlan(False, ())
+    assert plan_drain(Drain("", 0), "t", workers) == DrainPlan(False, ())
+
+
+def test_a_drain_notice_keeps_rays_deadline_when_the_config_is_read():
+    stop = StopRequest()
+    stop.add(Notice(RAY_DRAIN, 1.0, 12.0, "n1"))
+    stop.receive("SIGTERM", now_s=2.0)
+    stop.configure(grace_s=5.0, signal_warning_s=60.0)
+    assert [(n.source, n.deadline_s) for n in stop.notices] == [(RAY_DRAIN, 12.0), ("SIGTERM", 5.0)]
+    assert stop.notice is not None and stop.notice.source == "SIGTERM"  # at 7.0, before 13.0
+    assert stop.signal_name == RAY_DRAIN  # the first notice names the stop

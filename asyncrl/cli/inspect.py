@@ -98,7 +98,13 @@ def last_preemption(run_dir: Path) -> dict[str, Any] | None:
     if not notices:
         return None
     notice = events[notices[-1]]
-    result = next((e for e in events[notices[-1] :] if e.get("event") == "preemption_result"), None)
+    after = events[notices[-1] :]
+    if notice.get("role") == "generation":  # a Ray drain of generation workers' node
+        handbacks = [
+            e for e in after if e.get("event") == "drain_handback" and e["node"] == notice["node"]
+        ]
+        return {"notice": notice, "result": None, "handbacks": handbacks}
+    result = next((e for e in after if e.get("event") == "preemption_result"), None)
     return {"notice": notice, "result": result}
 
 
@@ -275,6 +281,17 @@ def preemption_line(preempted: dict[str, Any]) -> str:
     notice, result = preempted["notice"], preempted["result"]
     deadline = "no deadline" if notice.get("deadline_s") is None else (
         f"deadline {notice['deadline_s']:g} s")  # fmt: skip
+    if notice.get("role") == "generation":
+        handbacks = preempted.get("handbacks", [])
+        head = f"last preemption: {notice['source']} of node {notice['node'][:8]} ({deadline})"
+        if not handbacks:
+            return f"{head}: generation worker(s) {notice['workers']} handed nothing back yet"
+        returned = sum(h["requests"] for h in handbacks)
+        tokens = sum(h["tokens"] for h in handbacks)
+        return (
+            f"{head}: generation worker(s) {[h['worker'] for h in handbacks]} handed back "
+            f"{returned} requests ({tokens} tokens kept) and were replaced"
+        )
     head = f"last preemption: {notice['source']} at step {notice['step']} ({deadline})"
     if result is None:
         return f"{head}: no checkpoint was verified after it (killed before?)"

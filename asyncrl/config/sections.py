@@ -421,6 +421,12 @@ class RayConfig:
     num_cpus_per_worker: float = field(default=1.0, metadata=MAY_CHANGE_UNLESS_DETERMINISTIC)
     """CPUs each generation worker actor reserves (its torch threads follow
     `run.torch_threads`)."""
+    watch_drains: bool = field(default=True, metadata=MAY_CHANGE)
+    """Read Ray's drained nodes (`ray drain-node`, a preempting autoscaler): a generation
+    worker on one hands its work back, tokens kept, and is replaced on another node; a drain
+    of the trainer's node is a preemption notice with Ray's deadline (docs/failures.md)."""
+    drain_poll_s: float = field(default=1.0, metadata=MAY_CHANGE)
+    """Seconds between two reads of Ray's drained nodes (`ray.watch_drains`)."""
 
     def validate(self) -> None:
         _require(
@@ -429,6 +435,7 @@ class RayConfig:
             self.num_cpus_per_worker,
             ">= 0",
         )
+        _require(self.drain_poll_s > 0, "ray.drain_poll_s", self.drain_poll_s, "> 0")
 
 
 @dataclass

@@ -2,33 +2,39 @@
 
 A notice says the machine goes away at a deadline: SIGTERM (Kubernetes, spot instances, Slurm
 at the end of a job) after `checkpoint.grace_s`, SIGUSR1 or SIGUSR2 (Slurm's
-`--signal=USR1@N`) after `checkpoint.signal_warning_s`; SIGINT (Ctrl-C) has none. The run
-then cuts its checkpoint at the earliest consistent point (a training step that has changed
-no weight yet is given up, its groups back in the buffer) and says at the notice whether the
-checkpoint fits before the deadline, from this run's measured checkpoint times.
+`--signal=USR1@N`) after `checkpoint.signal_warning_s`; SIGINT (Ctrl-C) has none; a Ray drain
+(`ray drain-node`, Ray's autoscaler preempting a node) at the deadline Ray states for the node:
+a drained generation node hands its work back (`plan_drain`), the trainer's node is a notice.
+The run then cuts its checkpoint at the earliest consistent point (a training step that has
+changed no weight yet is given up, its groups back in the buffer) and says at the notice
+whether the checkpoint fits before the deadline, from this run's measured checkpoint times.
 
 Pure: no signals and no clock. The trainer's shell passes monotonic times in seconds.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 NO_DEADLINE = ("SIGINT",)
 """Notices without a deadline: a person stopping the run."""
+RAY_DRAIN = "ray_drain"
+"""The source of a notice that Ray drains the trainer's node."""
+SIGNALS = ("SIGTERM", "SIGINT", "SIGUSR1", "SIGUSR2")
+"""The notices that are signals: their deadlines come from the config."""
 
 
 @dataclass(frozen=True)
 class Notice:
     source: str
-    """`SIGTERM`, `SIGUSR1`, `SIGUSR2`, `SIGINT`."""
+    """`SIGTERM`, `SIGUSR1`, `SIGUSR2`, `SIGINT`, or `ray_drain`."""
     received_s: float
     """When it arrived (monotonic seconds)."""
     deadline_s: float | None
     """Seconds from its arrival to the kill (None: no deadline)."""
     node: str = ""
-    """The machine it concerns (its host name)."""
+    """The machine it concerns (its host name; a Ray drain: the node's id)."""
 
     @property
     def deadline_at(self) -> float | None:
@@ -128,3 +134,45 @@ def outcome(notice: Notice, durable_s: float) -> dict[str, float | bool | None]:
         "deadline_s": notice.deadline_s,
         "met": None if at is None else durable_s <= at,
     }
+
+
+@dataclass(frozen=True)
+class Drain:
+    """Ray drains a node: its hex id, and when it will be killed."""
+
+    node: str
+    deadline_ms: int
+    """Unix milliseconds of the kill, as Ray states it (0: Ray was given no deadline)."""
+
+    def left_s(self, now_ms: float) -> float | None:
+        """Seconds from `now_ms` (Unix milliseconds) to the kill (None: no deadline)."""
+        return None if not self.deadline_ms else max(0.0, (self.deadline_ms - now_ms) / 1000)
+
+    def notice(self, received_s: float, now_ms: float) -> Notice:
+        """The trainer's notice, received at monotonic `received_s` (Unix ms `now_ms`)."""
+        return Notice(RAY_DRAIN, received_s, self.left_s(now_ms), self.node)
+
+
+def new_drains(draining: Mapping[str, int], seen: set[str]) -> list[Drain]:
+    """The nodes Ray drains (node -> deadline in Unix ms, Ray's own map) that were not
+    draining at the last look, in node order; `seen` is updated. A node Ray no longer lists
+    leaves `seen`, so a second drain of it is a new one."""
+    fresh = [Drain(node, int(draining[node])) for node in sorted(draining) if node not in seen]
+    seen.intersection_update(draining)
+    seen.update(draining)
+    return fresh
+
+
+@dataclass(frozen=True)
+class DrainPlan:
+    trainer: bool
+    """The trainer runs on the node: a notice, answered like a signal's."""
+    workers: tuple[int, ...]
+    """The generation workers on the node: each hands its work back and is replaced."""
+
+
+def plan_drain(drain: Drain, trainer_node: str, worker_nodes: Sequence[str]) -> DrainPlan:
+    """What a drain asks of this run, from the nodes its trainer and its generation workers
+    run on ("" where a worker is not placed yet: Ray places no actor on a draining node)."""
+    workers = tuple(i for i, node in enumerate(worker_nodes) if node and node == drain.node)
+    return DrainPlan(drain.node == trainer_node, workers)

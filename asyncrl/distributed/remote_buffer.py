@@ -7,6 +7,7 @@ from collections.abc import Callable
 from typing import Any
 
 import ray
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from asyncrl.core.buffer import ReplayBuffer
 from asyncrl.core.types import Group
@@ -19,9 +20,12 @@ class BufferClient:
     `ray.remote(ReplayBuffer)` actor. No logic: every call is the core method, remotely."""
 
     def __init__(self, num_prompts_per_step: int, capacity: int) -> None:
-        self.actor: Any = RemoteReplayBuffer.options(max_concurrency=4, num_cpus=0).remote(
-            num_prompts_per_step, capacity
-        )
+        # on the driver's node: the buffer is the trainer's state, and goes where it goes (a
+        # drained generation node must not take it along)
+        here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
+        self.actor: Any = RemoteReplayBuffer.options(
+            max_concurrency=4, num_cpus=0, scheduling_strategy=here
+        ).remote(num_prompts_per_step, capacity)
         self.num_prompts_per_step = num_prompts_per_step
         self.capacity = capacity
 

@@ -81,11 +81,30 @@ class GenerationWorker:
         outputs = self.engine.generate(requests, version, max_tokens)
         return outputs, load_s, self.engine.metrics()
 
-    def ready(self) -> bool:
-        return True
+    def stop_generating(self) -> None:
+        """Its node is drained: the call in progress returns the tokens it has now, and this
+        worker generates nothing more (an engine without `stops_early` finishes the call)."""
+        stop = getattr(self.engine, "stop_generating", None)
+        if stop is not None:
+            stop()
+
+    def ready(self) -> str:
+        """The id of the Ray node this worker runs on."""
+        return str(ray.get_runtime_context().get_node_id())
 
 
 RemoteWorker = ray.remote(GenerationWorker)
+
+
+@dataclasses.dataclass
+class Retiring:
+    """A worker whose node Ray drains: it generates nothing new and is replaced once its call
+    in progress (if any) has handed back what it has."""
+
+    node: str
+    since_s: float  # time.monotonic() of the drain notice
+    deadline_ms: int
+    busy: bool  # a call was in progress at the notice
 
 
 class WorkerDied(RuntimeError):
@@ -95,7 +114,9 @@ class WorkerDied(RuntimeError):
 
 class RayEngine:
     """`GenerationEngine` over `num_workers` actors; weights come from an
-    `ObjectStoreWeightSync`, by reference."""
+    `ObjectStoreWeightSync`, by reference. A worker whose node Ray drains (`retire`) hands its
+    call in progress back, its tokens so far kept, and is replaced by an actor Ray places on
+    another node."""
 
     capabilities: ClassVar[EngineCapabilities]  # the engine's inside the workers
 
@@ -105,25 +126,36 @@ class RayEngine:
         num_workers: int,
         weights: ObjectStoreWeightSync,
         capabilities: EngineCapabilities,
+        stop_early: bool = True,
     ) -> None:
         self._make_worker = make_worker
         self._incarnations = [0] * num_workers
         self.workers = [make_worker(i, 0) for i in range(num_workers)]
-        ray.get([w.ready.remote() for w in self.workers])
+        self.nodes: list[str] = [str(n) for n in ray.get([w.ready.remote() for w in self.workers])]
+        """Each worker's Ray node ("" while a replacement waits to be placed)."""
+        self._placing: dict[int, Any] = {}  # worker -> its replacement's `ready` call
         self.weights = weights
         self.capabilities = capabilities  # type: ignore[misc]
+        self.stop_early = stop_early and capabilities.stops_early
+        """A drained worker's call in progress ends at once with what it has (off: it runs to
+        its end; deterministic mode, where a cut at another token could change the bits)."""
         self._lock = threading.Lock()
         self.load_s = 0.0  # worker seconds spent fetching and loading weights
         self.workers_replaced = 0
+        self.workers_retired = 0
         self._closed = False
+        self._busy: set[int] = set()  # workers with a call in progress
+        self._retiring: dict[int, Retiring] = {}
+        self.on_event: Callable[..., None] | None = None
+        """Records the placements and hand-backs (`events.jsonl`); from any thread."""
         # each worker's engine metrics as last reported, and those of workers since replaced
         self._engine_metrics: list[dict[str, float]] = [{} for _ in range(num_workers)]
         self._replaced_metrics: dict[str, float] = {}
 
     def metrics(self) -> dict[str, float]:
         """Cumulative seconds workers spent fetching and loading weights, workers replaced
-        after dying, and the workers' engine metrics summed over workers (replaced ones
-        included)."""
+        after dying or retired from drained nodes, and the workers' engine metrics summed over
+        workers (replaced ones included)."""
         summed = dict(self._replaced_metrics)
         for reported in self._engine_metrics:
             for key, value in reported.items():
@@ -132,7 +164,89 @@ class RayEngine:
             **summed,
             "weights_load_s": self.load_s,
             "workers_replaced": self.workers_replaced,
+            "workers_retired": self.workers_retired,
         }
+
+    def record_placements(self, emit: Callable[..., None]) -> None:
+        """From now on every worker's placement and hand-back is an event; the placements so
+        far are recorded now."""
+        with self._lock:
+            self.on_event = emit
+            for i, node in enumerate(self.nodes):
+                if node:
+                    self._emit("generation_worker", worker=i,
+                               incarnation=self._incarnations[i], node=node)  # fmt: skip
+
+    def _emit(self, event: str, **fields: Any) -> None:
+        if self.on_event is not None:
+            self.on_event(event, **fields)
+
+    def worker_nodes(self) -> list[str]:
+        """Each worker's Ray node, "" for a replacement Ray has not placed yet (it is never
+        placed on a draining node)."""
+        with self._lock:
+            return self._placed()
+
+    def _placed(self) -> list[str]:
+        for i, ready in list(self._placing.items()):
+            done, _ = ray.wait([ready], timeout=0)
+            if not done:
+                continue
+            del self._placing[i]
+            try:
+                self.nodes[i] = str(ray.get(ready))
+            except RayActorError:
+                continue  # died before it was placed: its next batch replaces it
+            self._emit("generation_worker", worker=i, incarnation=self._incarnations[i],
+                       node=self.nodes[i])  # fmt: skip
+        return list(self.nodes)
+
+    def retire(self, workers: list[int], node: str, deadline_ms: int) -> list[int]:
+        """Ray drains `node`, where `workers` run: a worker with a call in progress hands it
+        back (now with `stop_early`, else when it ends), an idle one is replaced at once.
+        Returns the workers newly retiring. From any thread (the drain watcher's)."""
+        with self._lock:
+            fresh = [i for i in workers if i not in self._retiring and not self._closed]
+            now = time.monotonic()
+            for i in fresh:
+                self._retiring[i] = Retiring(node, now, deadline_ms, i in self._busy)
+            interrupt = [self.workers[i] for i in fresh if i in self._busy and self.stop_early]
+            for i in fresh:
+                if i not in self._busy:
+                    self._hand_back(i, [])
+        for worker in interrupt:
+            worker.stop_generating.remote()
+        return fresh
+
+    def _hand_back(self, index: int, part: list[GenerationOutput]) -> None:
+        """Records what retiring worker `index` handed back (`part`: its last call's outputs),
+        and replaces it. Called under `_lock`."""
+        retiring = self._retiring.pop(index)
+        unfinished = sum(int((~out.finished_rows()).sum()) for out in part)
+        tokens = sum(int(out.completion_mask.sum()) for out in part)
+        now_ms = time.time() * 1000
+        left = None if not retiring.deadline_ms else (retiring.deadline_ms - now_ms) / 1000
+        self._emit(
+            "drain_handback",
+            node=retiring.node,
+            worker=index,
+            in_call=retiring.busy,
+            stopped_early=retiring.busy and self.stop_early,
+            requests=len(part),
+            unfinished_samples=unfinished,
+            tokens=tokens,
+            after_s=time.monotonic() - retiring.since_s,
+            left_s=left,
+        )
+        if part:
+            print(
+                f"asyncrl: ray_drain: generation worker {index} on node {retiring.node[:8]} "
+                f"handed back {len(part)} requests ({tokens} tokens kept, {unfinished} samples "
+                "to continue on another worker)",
+                flush=True,
+            )
+        self._replace(index)
+        self.workers_retired += 1
 
     def generate(
         self,
@@ -140,38 +254,51 @@ class RayEngine:
         version: int | None = None,
         max_tokens: int | None = None,
     ) -> list[GenerationOutput]:
+        wanted, ref = weights_to_load(self.weights, version, None)
+        chunks = [c.tolist() for c in np.array_split(np.arange(len(requests)), len(self.workers))]
         with self._lock:
             if self._closed:
                 raise RuntimeError("the Ray engine is shut down")
-        wanted, ref = weights_to_load(self.weights, version, None)
-        chunks = [c.tolist() for c in np.array_split(np.arange(len(requests)), len(self.workers))]
-        calls = [
-            (
-                i,
-                self.workers[i].generate.remote(
-                    [requests[j] for j in chunk], wanted, [ref], max_tokens
-                ),
-            )
-            for i, chunk in enumerate(chunks)
-            if chunk
-        ]
+            calls = [
+                (
+                    i,
+                    self.workers[i].generate.remote(
+                        [requests[j] for j in chunk], wanted, [ref], max_tokens
+                    ),
+                )
+                for i, chunk in enumerate(chunks)
+                if chunk
+            ]
+            self._busy.update(i for i, _ in calls)
         outputs: list[GenerationOutput] = []
         dead = []
-        for i, call in calls:
-            try:
-                part, load_s, engine_metrics = ray.get(call)
-            except RayActorError as err:
-                dead.append((i, err))
-                continue
-            outputs.extend(part)
-            self.load_s += load_s
-            self._engine_metrics[i] = engine_metrics
+        parts: dict[int, list[GenerationOutput]] = {}
+        try:
+            for i, call in calls:
+                try:
+                    part, load_s, engine_metrics = ray.get(call)
+                except RayActorError as err:
+                    dead.append((i, err))
+                    continue
+                parts[i] = part
+                outputs.extend(part)
+                self.load_s += load_s
+                self._engine_metrics[i] = engine_metrics
+        finally:
+            with self._lock:
+                self._busy.clear()
+                if not self._closed:
+                    for i in [i for i in self._retiring if i in parts]:
+                        self._hand_back(i, parts[i])
+                self._placed()
         if dead:
             with self._lock:
                 if self._closed:  # the run is ending and killed its workers: replace nothing
                     raise RuntimeError("the Ray engine is shut down")
                 for i, _ in dead:
+                    self._retiring.pop(i, None)
                     self._replace(i)
+                    self.workers_replaced += 1
             index, cause = dead[0]
             raise WorkerDied(
                 f"generation worker {index} died during a batch (replaced; the batch is "
@@ -180,13 +307,16 @@ class RayEngine:
         return outputs
 
     def _replace(self, index: int) -> None:
+        """A new actor for worker `index` (Ray places it; never on a draining node). Called
+        under `_lock`."""
         ray.kill(self.workers[index], no_restart=True)  # if only its process is gone
         for key, value in self._engine_metrics[index].items():
             self._replaced_metrics[key] = self._replaced_metrics.get(key, 0.0) + value
         self._engine_metrics[index] = {}
         self._incarnations[index] += 1
         self.workers[index] = self._make_worker(index, self._incarnations[index])
-        self.workers_replaced += 1
+        self.nodes[index] = ""
+        self._placing[index] = self.workers[index].ready.remote()
 
     def shutdown(self) -> None:
         with self._lock:
@@ -213,6 +343,7 @@ def build_ray_engine(config: Config, spec: EngineSpec, weights: ObjectStoreWeigh
             name=worker_name(index, incarnation),
             num_cpus=config.ray.num_cpus_per_worker,
             max_restarts=0,
+            max_concurrency=2,  # `stop_generating` runs beside `generate`
         ).remote(
             config.rollout.engine,
             frozen,
@@ -221,4 +352,10 @@ def build_ray_engine(config: Config, spec: EngineSpec, weights: ObjectStoreWeigh
         )
 
     capabilities = engine_class(config.rollout.engine).capabilities
-    return RayEngine(make_worker, config.rollout.num_workers, weights, capabilities)
+    return RayEngine(
+        make_worker,
+        config.rollout.num_workers,
+        weights,
+        capabilities,
+        stop_early=not config.run.deterministic,
+    )

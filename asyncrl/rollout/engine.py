@@ -88,6 +88,9 @@ class EngineCapabilities:
     """Continues a partial completion from its prefix (for partial generations)."""
     turn_limits: bool = False
     """Stops each sample at its own length (`GenerationRequest.limits`: multi-turn episodes)."""
+    stops_early: bool = False
+    """Has `stop_generating()`: the call in progress returns the tokens it has at once, its
+    samples unfinished (a Ray worker on a node being drained hands its work back)."""
 
 
 @dataclass(frozen=True)

@@ -71,6 +71,7 @@ class TorchGenerationEngine:
         per_request_seeds=True,
         continue_from_prefix=True,
         turn_limits=True,
+        stops_early=True,
     )
 
     def __init__(self, spec: EngineSpec, weights: WeightSource) -> None:
@@ -89,6 +90,14 @@ class TorchGenerationEngine:
         self._keeps_logits = keeps_logits(base_module(self._model))  # type: ignore[arg-type]
         self._keep_cache = spec.keep_cache_between_chunks
         self._carry: _Carry | None = None
+        self._stopped = False  # `stop_generating`: for good
+
+    def stop_generating(self) -> None:
+        """Ends the call in progress after the token being sampled, and every later call at
+        once: each returns the tokens it has, its unfinished samples reported unfinished, to be
+        continued from their prefixes elsewhere (a Ray worker on a node being drained). Safe
+        to call from another thread."""
+        self._stopped = True
 
     def metrics(self) -> dict[str, float]:
         return {}
@@ -143,7 +152,7 @@ class TorchGenerationEngine:
         tokens = torch.full((len(done_before), 0), self.pad_id, dtype=torch.int64)
         logprobs, mask = torch.zeros(tokens.shape), torch.zeros(tokens.shape, dtype=torch.bool)
         finished = done_before.clone()
-        if len(rows):
+        if len(rows) and not self._stopped:
             sampled = self._sample(requests, rows, uniforms, continued, max_tokens, version)
             new_tokens, new_logprobs, new_mask, new_finished = (t.cpu() for t in sampled)
             width = new_tokens.shape[1]
@@ -271,6 +280,8 @@ class TorchGenerationEngine:
         as a row that finishes is compacted out of the cache before the next pass."""
         width = 0
         for step in range(steps):
+            if self._stopped:  # handed back: the tokens so far, every live row unfinished
+                break
             fault_point("engine.decode_step")
             scale = self.temperature or 1.0  # 0: greedy (the evaluation's), log-probs at 1
             step_logprobs = torch.log_softmax(out.logits[:, -1].float() / scale, -1)
@@ -288,7 +299,7 @@ class TorchGenerationEngine:
             if bool(ends.all()):
                 break
             if step == steps - 1:  # the chunk ends with samples to continue
-                if self._keep_cache:
+                if self._keep_cache and not self._stopped:
                     self._keep(requests, rows, live, out, attention, positions, token, ends,
                                offsets[live] + step + 1, version)  # fmt: skip
                 break

@@ -15,6 +15,7 @@ from asyncrl.algos.parallel import SINGLE, Ranks
 from asyncrl.config import Config
 from asyncrl.core.buffer import Buffer, ReplayBuffer
 from asyncrl.core.ledger import Ledger
+from asyncrl.core.preemption import Notice
 from asyncrl.core.stream import PromptStream
 from asyncrl.models.device import DTYPES, place, resolve_device
 from asyncrl.models.lora import adapters_in_engine, apply_lora
@@ -69,6 +70,25 @@ class Components:
         self.collector.stop(timeout_s=0)
         self.scorer.pool.close()
         self.collector.stop()
+
+    def watch_drains(
+        self, config: Config, notify_trainer: Callable[[Notice], None], emit: Callable[..., None]
+    ) -> None:
+        """On Ray: records where each generation worker runs (a `generation_worker` event), and
+        with `ray.watch_drains` answers Ray's drains from now on (its generation workers hand
+        their work back, a drain of this node is a notice), until `shutdown`. Nothing on
+        threads."""
+        if config.rollout.backend != "ray":
+            return
+        from asyncrl.distributed.drains import watch_drains
+        from asyncrl.distributed.worker import RayEngine
+
+        assert isinstance(self.engine, RayEngine)
+        self.engine.record_placements(emit)
+        if not config.ray.watch_drains:
+            return
+        stop = watch_drains(self.engine, notify_trainer, emit, config.ray.drain_poll_s)
+        self.shutdown_steps.insert(0, stop)
 
     def shutdown(self) -> None:
         """Releases what the backend started (Ray actors, a local Ray); threads need nothing."""

@@ -3,8 +3,9 @@
 without one; `asyncrl.core.preemption`). The run stops at its earliest consistent point with a
 verified checkpoint and exits 75. The same signal a second time aborts at once (exit 130: Ctrl-C
 twice); another kind of signal is one more notice, and the earliest deadline holds (Slurm's
-SIGUSR1, then its SIGTERM at the job's end). The handler only records the notice: all the work
-happens in the training loop."""
+SIGUSR1, then its SIGTERM at the job's end). A Ray drain of the trainer's node is a notice too,
+with Ray's deadline (`StopRequest.add`, from `asyncrl.distributed.drains`). The handler only
+records the notice: all the work happens in the training loop."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ import time
 from dataclasses import replace
 from types import FrameType
 
+from asyncrl.core.preemption import SIGNALS as SIGNAL_NAMES
 from asyncrl.core.preemption import Notice, first_deadline, notice_deadline
 
 EXIT_PREEMPTED = 75
@@ -58,6 +60,8 @@ class StopRequest:
         self.grace_s, self.signal_warning_s = grace_s, signal_warning_s
         self.notices = [
             replace(n, deadline_s=notice_deadline(n.source, grace_s, signal_warning_s))
+            if n.source in SIGNAL_NAMES
+            else n  # a Ray drain's deadline is Ray's
             for n in self.notices
         ]
 
@@ -71,6 +75,11 @@ class StopRequest:
         deadline = notice_deadline(source, self.grace_s, self.signal_warning_s)
         at = time.monotonic() if now_s is None else now_s
         self.notices.append(Notice(source, at, deadline, socket.gethostname()))
+
+    def add(self, notice: Notice) -> None:
+        """A notice that is not a signal (a Ray drain of the trainer's node), with its own
+        deadline; from any thread."""
+        self.notices.append(notice)
 
     def _handle(self, signum: int, frame: FrameType | None) -> None:
         name = signal.Signals(signum).name

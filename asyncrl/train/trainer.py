@@ -350,6 +350,7 @@ class Trainer:
         self._start_s = time.perf_counter() - wall
         self.schedule.last_saved_s = time.perf_counter()  # `every_s` counts from the launch
         self.parts.collector.start()
+        self.parts.watch_drains(self.config, self.stop.add, self.logs.events.emit)
         try:
             with self.parts.cores.busy():  # idle while it waits for rollouts (`train_step`)
                 if self.step == 0:

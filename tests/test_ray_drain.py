@@ -1,0 +1,272 @@
+"""Ray drains on a real local multi-node Ray cluster (`ray.cluster_utils.Cluster`: a head node
+with no CPUs, where the driver and the buffer actor run, and two 1-CPU nodes for the generation
+worker). The drain is Ray's own command, `ray drain-node --reason DRAIN_NODE_REASON_PREEMPTION
+--deadline-remaining-seconds N`; the node is then SIGKILLed, as the autoscaler would at the
+deadline. Every moment is placed by state: the drain and the control's kill while the worker
+has just begun a call (its process title turns to `ray::GenerationWorker.generate`, Ray's
+own), the kill after the run's `drain_handback` event.
+
+- A generation node drained: its worker hands its call back with the tokens it has, they are
+  continued on a worker on the other node, no batch fails (a failed batch is the only way
+  generated tokens are thrown away), every group lands once, the schedule is exact and the
+  audit passes. Control: `ray.watch_drains=false` (the old behaviour), the same kill loses the
+  worker's batch.
+- The trainer's node drained: a notice with Ray's deadline, a verified checkpoint, exit 75;
+  the same command resumes and finishes with the audit passing.
+
+Ray binds its servers to the node address: `RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0` makes it
+127.0.0.1 for every process (this machine cannot reach its own external address).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from helpers import read_records
+
+from asyncrl.cli.audit import audit_run_dir
+from asyncrl.cli.inspect import inspect_run_dir, preemption_line
+
+pytestmark = pytest.mark.slow
+
+N = 16
+LOCAL = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_USAGE_STATS_ENABLED": "0"}
+TIMEOUT_S = 240
+
+
+@pytest.fixture
+def cluster(monkeypatch: pytest.MonkeyPatch) -> Iterator[Any]:
+    for key, value in LOCAL.items():
+        monkeypatch.setenv(key, value)
+    from ray.cluster_utils import Cluster
+
+    temp = tempfile.mkdtemp(prefix="rd", dir="/tmp")  # Ray's socket paths must stay short
+    head = {"num_cpus": 0, "node_ip_address": "127.0.0.1", "include_dashboard": False,
+            "temp_dir": temp}  # fmt: skip
+    made = Cluster(initialize_head=True, connect=False, head_node_args=head)
+    try:
+        for _ in range(2):
+            made.add_node(num_cpus=1, node_ip_address="127.0.0.1")
+        made.wait_for_nodes()
+        yield made
+    finally:
+        made.shutdown()
+        shutil.rmtree(temp, ignore_errors=True) if not os.environ.get("KEEP_RAY") else None
+
+
+def start_run(repo_root: Path, run: Path, address: str, *overrides: str) -> subprocess.Popen:
+    args = [
+        sys.executable, "-m", "asyncrl.cli", "train", str(repo_root / "configs/demo.yaml"),
+        "--run-dir", str(run), "rollout.backend=ray", "rollout.num_workers=1",
+        f"ray.address={address}", "ray.drain_poll_s=0.02", f"rollout.num_prompts_per_step={N}",
+        "rollout.max_new_tokens=56", "run.max_num_steps=14", "checkpoint.save_period=4",
+        "logging.progress=false", "logging.plot=false", *overrides,
+    ]  # fmt: skip
+    env = {**os.environ, **LOCAL, "PYTHONWARNINGS": "ignore"}
+    out = open(run.parent / f"{run.name}.out", "a")  # noqa: SIM115 (the child holds it)
+    return subprocess.Popen(args, env=env, stdout=out, stderr=subprocess.STDOUT, text=True)
+
+
+def events(run: Path, name: str) -> list[dict[str, Any]]:
+    path = run / "events.jsonl"
+    if not path.exists():
+        return []
+    records = []
+    for line in path.read_text().splitlines():
+        try:
+            records.append(json.loads(line))
+        except ValueError:
+            continue  # a line being written
+    return [r for r in records if r["event"] == name]
+
+
+def wait_for(what: str, ready: Callable[[], Any], proc: subprocess.Popen, run: Path) -> Any:
+    deadline = time.monotonic() + TIMEOUT_S
+    while not (found := ready()):
+        if proc.poll() is not None:
+            pytest.fail(f"the run ended ({proc.returncode}) before {what}:\n{output(run)}")
+        if time.monotonic() > deadline:
+            proc.kill()
+            pytest.fail(f"no {what} within {TIMEOUT_S} s:\n{output(run)}")
+        time.sleep(0.01)
+    return found
+
+
+def output(run: Path, tail: int = 3000) -> str:
+    return (run.parent / f"{run.name}.out").read_text()[-tail:]
+
+
+def worker_pid(proc: subprocess.Popen, run: Path) -> int:
+    """The generation worker's process (Ray titles an actor's process `ray::CLASS`, and
+    `ray::CLASS.METHOD` while a method runs)."""
+
+    def find() -> int:
+        for pid in os.listdir("/proc"):
+            if pid.isdigit() and title(int(pid)).startswith("ray::GenerationWorker"):
+                return int(pid)
+        return 0
+
+    return int(wait_for("the worker's process", find, proc, run))
+
+
+def title(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")[0].decode()
+    except OSError:
+        return ""
+
+
+def call_started(pid: int, proc: subprocess.Popen, run: Path) -> None:
+    """Returns once worker `pid` has just begun a call: its title turned from idle to
+    `generate` (a call lasts a few hundred ms; the watcher polls every 20 ms)."""
+    wait_for("an idle worker", lambda: title(pid) == "ray::GenerationWorker", proc, run)
+    wait_for("a call", lambda: title(pid) != "ray::GenerationWorker", proc, run)
+    assert title(pid) in ("ray::GenerationWorker.generate", ""), title(pid)
+
+
+def worker_node(run: Path, proc: subprocess.Popen, cluster: Any) -> Any:
+    """The cluster node the run's generation worker runs on, once the run has trained two
+    steps (its workers are busy generating for the next ones)."""
+
+    def placed() -> str:
+        steps = len(read_records(run / "metrics.jsonl")) if (run / "metrics.jsonl").exists() else 0
+        placements = events(run, "generation_worker")
+        return placements[-1]["node"] if steps >= 2 and placements else ""
+
+    node_id = wait_for("a placed generation worker", placed, proc, run)
+    (node,) = [n for n in cluster.worker_nodes if n.node_id == node_id]
+    return node
+
+
+def drain_now(cluster: Any, node_id: str, deadline_s: int = 60) -> None:
+    """The drain `ray drain-node` asks for, through the same GCS call, without the command's
+    second or two of start-up (a generation call here is shorter)."""
+    import ray
+    from ray.core.generated import autoscaler_pb2
+
+    deadline_ms = time.time_ns() // 1_000_000 + deadline_s * 1000
+    accepted, why = ray._raylet.GcsClient(address=cluster.address).drain_node(
+        node_id, autoscaler_pb2.DRAIN_NODE_REASON_PREEMPTION, "spot reclaimed", deadline_ms
+    )
+    assert accepted, why
+
+
+def drain(cluster: Any, node_id: str, deadline_s: int = 60) -> None:
+    """Ray's command."""
+    subprocess.run(
+        ["ray", "drain-node", "--address", cluster.address, "--node-id", node_id,
+         "--reason", "DRAIN_NODE_REASON_PREEMPTION", "--reason-message", "spot reclaimed",
+         "--deadline-remaining-seconds", str(deadline_s)],
+        check=True, env={**os.environ, **LOCAL}, capture_output=True, timeout=60,
+        executable=str(Path(sys.executable).parent / "ray"),
+    )  # fmt: skip
+
+
+def assert_exact_and_audited(run: Path, steps: int) -> dict[str, Any]:
+    final = {r["step"]: r for r in read_records(run / "metrics.jsonl")}
+    assert sorted(final) == list(range(steps))
+    for t, record in final.items():
+        assert record["prompt_ordinals"] == list(range(t * N, (t + 1) * N))
+    report = audit_run_dir(run)
+    assert report.ok, report.violations
+    return final[steps - 1]
+
+
+def landings(run: Path) -> tuple[dict[int, int], list[dict[str, Any]]]:
+    landed: dict[int, int] = {}
+    spans = [s for s in read_records(run / "timeline.jsonl") if s["kind"] == "generate"]
+    for span in spans:
+        for k in span["landed"]:
+            landed[k] = landed.get(k, 0) + 1
+    return landed, spans
+
+
+@pytest.mark.parametrize("watch", [True, False], ids=["hands-back", "control-old-behaviour"])
+def test_a_drained_generation_node_hands_its_tokens_back(tmp_path, repo_root, cluster, watch):
+    run = tmp_path / "run"
+    proc = start_run(repo_root, run, cluster.address, f"ray.watch_drains={str(watch).lower()}")
+    try:
+        node = worker_node(run, proc, cluster)
+        pid = worker_pid(proc, run)
+        call_started(pid, proc, run)
+        drain_now(cluster, node.node_id)
+        if watch:
+            (handback,) = wait_for("the hand-back", lambda: events(run, "drain_handback"), proc,
+                                   run)  # fmt: skip
+        else:
+            call_started(pid, proc, run)
+        cluster.remove_node(node, allow_graceful=False)  # SIGKILL: the deadline's kill
+        assert proc.wait(TIMEOUT_S) == 0, output(run)
+    finally:
+        proc.kill()
+    last = assert_exact_and_audited(run, 14)
+    landed, spans = landings(run)
+    assert set(landed.values()) == {1}  # every group landed once
+    (notice,) = events(run, "preemption_notice") or [None]
+    if not watch:  # the kill took the worker's batch: thrown away, generated again
+        assert notice is None
+        assert last["generation_failures"] >= 1 and last["workers_replaced"] == 1, last
+        return
+    assert notice["source"] == "ray_drain" and notice["node"] == node.node_id
+    assert notice["role"] == "generation" and notice["workers"] == [0]
+    assert 0 < notice["deadline_s"] <= 60
+    # the worker was in a call and ended it at once, handing its requests back unfinished with
+    # the tokens it had (none if the drain came before its first token; that the tokens are
+    # the ones an uninterrupted call samples is tests/test_engine.py's)
+    assert handback["in_call"] and handback["stopped_early"], handback
+    assert handback["requests"] > 0 and handback["unfinished_samples"] > 0, handback
+    assert last["generation_failures"] == 0 and last["workers_retired"] == 1, last
+    assert last["workers_replaced"] == 0, last
+    # its replacement runs on the other node
+    placements = events(run, "generation_worker")
+    assert [p["incarnation"] for p in placements] == [0, 1]
+    assert placements[1]["node"] not in ("", node.node_id)
+    # the handed-back samples went on from their tokens: a timeline row of two or more passes
+    passes: dict[tuple[int, ...], int] = {}
+    for span in spans:
+        key = tuple(span["ordinals"])
+        passes[key] = passes.get(key, 0) + span["chunks"]
+    assert max(passes.values()) >= 2, spans
+    assert "handed back" in output(run, tail=0)
+    line = preemption_line(inspect_run_dir(run)["last_preemption"])
+    assert line.startswith(f"last preemption: ray_drain of node {node.node_id[:8]} (deadline")
+    assert f"handed back {handback['requests']} requests ({handback['tokens']} tokens kept)" in line
+
+
+def test_a_drained_trainer_node_checkpoints_and_the_run_resumes(tmp_path, repo_root, cluster):
+    run = tmp_path / "run"
+    proc = start_run(repo_root, run, cluster.address)
+    try:
+        worker_node(run, proc, cluster)
+        drain(cluster, cluster.head_node.node_id, deadline_s=45)
+        assert proc.wait(TIMEOUT_S) == 75, output(run)
+    finally:
+        proc.kill()
+    (notice,) = events(run, "preemption_notice")
+    assert notice["source"] == "ray_drain" and notice["node"] == cluster.head_node.node_id
+    assert 0 < notice["deadline_s"] <= 45
+    (result,) = events(run, "preemption_result")
+    assert result["met"] is True and result["notice_to_durable_s"] < result["deadline_s"]
+    saved = [e for e in events(run, "checkpoint") if e["reason"] == "stop"]
+    assert saved and saved[-1]["step"] == result["step"]
+    assert "ray_drain: preemption notice" in output(run, tail=0)
+    line = preemption_line(inspect_run_dir(run)["last_preemption"])
+    assert line.startswith(f"last preemption: ray_drain at step {result['step']} (deadline")
+    assert "(met" in line
+    resumed = start_run(repo_root, run, cluster.address)
+    try:
+        assert resumed.wait(TIMEOUT_S) == 0, output(run)
+    finally:
+        resumed.kill()
+    assert f"resumed at step {result['step']}" in output(run, tail=0)
+    assert_exact_and_audited(run, 14)
