@@ -8,7 +8,7 @@ RUN_DIR ?= runs/demo-$(NOW)
 # a demo's run dir: RUN_DIR when given (command line or environment), else runs/NAME-TIME
 demo_dir = $(if $(filter command line environment,$(origin RUN_DIR)),$(RUN_DIR),runs/$(1)-$(NOW))
 
-.PHONY: setup demo math-demo smol-demo multi-turn-demo calculator-demo ppo-demo rloo-demo test test-fast lint bench bench-algos bench-ray bench-scale bench-lora bench-lora-curve bench-vllm-lora bench-deferral bench-reward bench-engines bench-records bench-rank-messages bench-smol bench-calculator bench-floor bench-attention bench-preemption gpu-check chaos docs clean
+.PHONY: setup demo math-demo smol-demo multi-turn-demo calculator-demo ppo-demo rloo-demo test test-fast lint bench bench-algos bench-ray bench-scale bench-lora bench-lora-curve bench-vllm-lora bench-deferral bench-reward bench-engines bench-records bench-rank-messages bench-smol bench-calculator bench-floor bench-attention bench-preemption bench-ray-drain gpu-check chaos docs clean
 
 setup: $(STAMP)
 
@@ -93,6 +93,10 @@ bench-scale: setup
 # SIGTERM at a random moment: notice to verified checkpoint at 25M, 100M, 300M, +/- LoRA
 bench-preemption: setup
 	$(BIN)/python benchmarks/preemption.py
+
+# A Ray drain of the generation node on a local 3-node cluster: hand-back vs the old behaviour
+bench-ray-drain: setup
+	$(BIN)/python benchmarks/ray_drain.py
 
 # LoRA against full fine-tuning at 75M, 300M and SmolLM2 (~25 min)
 bench-lora: setup

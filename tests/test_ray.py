@@ -4,6 +4,7 @@ checkpoint resumed across backends. Each test checks I1 and I3 from the run's ow
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import signal
 import sys
@@ -140,6 +141,85 @@ def test_worker_actors_continue_prefixes_as_the_local_engine_generates_in_one_go
         width = part.tokens.shape[1]
         assert torch.equal(part.tokens * part.mask, one.completion_ids[:, :width] * part.mask)
         assert torch.equal(part.mask, one.completion_mask[:, :width])
+        torch.testing.assert_close(part.logprobs, one.logprobs[:, :width], atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("stop_early", [True, False], ids=["default", "deterministic"])
+def test_a_retired_worker_hands_its_call_back_and_the_samples_come_out_the_same(
+    shared_ray, stop_early
+):
+    """`RayEngine.retire` (a drained node, tests/test_ray_drain.py) on a worker in a call: by
+    default the call ends at once and hands its samples back unfinished, and the next passes
+    (on the replacement) continue them; in deterministic mode the call runs to its end. Either
+    way the samples are what one uninterrupted local call samples, and the worker is
+    replaced."""
+    from asyncrl.core.partial import Partial
+    from asyncrl.distributed.weights import ObjectStoreWeightSync
+    from asyncrl.distributed.worker import build_ray_engine
+    from asyncrl.rollout.engine import EngineSpec, GenerationRequest
+    from asyncrl.rollout.torch_engine import TorchGenerationEngine
+    from asyncrl.rollout.weight_sync import CopyWeightSync
+    from asyncrl.train.components import build_components
+
+    config = small_config(*RAY, "rollout.num_workers=1", f"run.deterministic={not stop_early}")
+    policy = build_components(small_config()).policy
+    spec = EngineSpec(policy.model, policy.eos_id, policy.pad_id, 40, 1.0,
+                      keep_cache_between_chunks=False)  # fmt: skip
+    local = CopyWeightSync()
+    local.publish(0, policy.model.state_dict())
+    requests = [GenerationRequest([5, 6, 7, 1, 2][: 2 + i % 4], 8, noise_seed=i) for i in range(16)]
+    whole = TorchGenerationEngine(spec, local).generate(requests)
+    weights = ObjectStoreWeightSync(max_versions=1)
+    weights.publish(0, policy.model.state_dict())
+    engine = build_ray_engine(config, spec, weights)
+    events: list[tuple[str, dict]] = []
+    engine.on_event = lambda name, **fields: events.append((name, fields))
+    try:
+        node = engine.worker_nodes()[0]
+        drained = "f" * 56  # Ray's node ids: 56 hex digits; one node here, so not its own
+        first: list = []
+        call = threading.Thread(target=lambda: first.extend(engine.generate(requests)))
+        call.start()
+        while not engine._busy:  # the call is dispatched
+            time.sleep(0.001)
+        assert engine.retire([0], drained, 0) == [0]
+        call.join()
+        partials = [
+            Partial.empty(8).extend(o.completion_ids, o.completion_mask, o.logprobs,
+                                    o.weights_version, o.finished_rows())
+            for o in first
+        ]  # fmt: skip
+        while not all(p.done for p in partials):  # the replacement continues them
+            asked = [
+                dataclasses.replace(r, prefixes=p.prefixes(), finished=tuple(map(bool, p.finished)))
+                for r, p in zip(requests, partials, strict=True)
+            ]
+            outs = engine.generate(asked)
+            partials = [
+                p.extend(o.completion_ids, o.completion_mask, o.logprobs, o.weights_version,
+                         o.finished_rows())
+                for p, o in zip(partials, outs, strict=True)
+            ]  # fmt: skip
+        while not engine.worker_nodes()[0]:  # the replacement is placed
+            time.sleep(0.01)
+        metrics = engine.metrics()
+    finally:
+        engine.shutdown()
+    ((name, handback),) = [e for e in events if e[0] == "drain_handback"]
+    assert handback["node"] == drained and engine.drained == {drained}
+    assert handback["in_call"] and handback["requests"] == 16
+    assert handback["stopped_early"] is stop_early
+    finished = sum(int(o.finished_rows().sum()) for o in first)
+    if stop_early:
+        assert handback["unfinished_samples"] > 0 and finished < 16 * 8
+    else:  # ran to its end: nothing left to continue
+        assert handback["unfinished_samples"] == 0 and finished == 16 * 8
+    assert metrics["workers_retired"] == 1 and metrics["workers_replaced"] == 0
+    assert ("generation_worker", {"worker": 0, "incarnation": 1, "node": node}) in events
+    for one, part in zip(whole, partials, strict=True):
+        width = part.tokens.shape[1]
+        assert torch.equal(part.mask, one.completion_mask[:, :width])
+        assert torch.equal(part.tokens * part.mask, one.completion_ids[:, :width] * part.mask)
         torch.testing.assert_close(part.logprobs, one.logprobs[:, :width], atol=1e-5, rtol=0)
 
 

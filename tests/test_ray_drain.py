@@ -44,10 +44,10 @@ LOCAL = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_USAGE_STATS_ENABLED": "0
 TIMEOUT_S = 240
 
 
-@pytest.fixture
-def cluster(monkeypatch: pytest.MonkeyPatch) -> Iterator[Any]:
-    for key, value in LOCAL.items():
-        monkeypatch.setenv(key, value)
+@pytest.fixture(scope="module")
+def ray_cluster() -> Iterator[Any]:
+    saved = {key: os.environ.get(key) for key in LOCAL}
+    os.environ.update(LOCAL)
     from ray.cluster_utils import Cluster
 
     temp = tempfile.mkdtemp(prefix="rd", dir="/tmp")  # Ray's socket paths must stay short
@@ -55,13 +55,24 @@ def cluster(monkeypatch: pytest.MonkeyPatch) -> Iterator[Any]:
             "temp_dir": temp}  # fmt: skip
     made = Cluster(initialize_head=True, connect=False, head_node_args=head)
     try:
-        for _ in range(2):
-            made.add_node(num_cpus=1, node_ip_address="127.0.0.1")
-        made.wait_for_nodes()
         yield made
     finally:
         made.shutdown()
-        shutil.rmtree(temp, ignore_errors=True) if not os.environ.get("KEEP_RAY") else None
+        shutil.rmtree(temp, ignore_errors=True)
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+
+
+@pytest.fixture
+def cluster(ray_cluster: Any) -> Any:
+    """The module's cluster with two generation nodes alive (a test kills one)."""
+    while len(ray_cluster.worker_nodes) < 2:
+        ray_cluster.add_node(num_cpus=1, node_ip_address="127.0.0.1")
+    ray_cluster.wait_for_nodes()
+    return ray_cluster
 
 
 def start_run(repo_root: Path, run: Path, address: str, *overrides: str) -> subprocess.Popen:
@@ -69,7 +80,7 @@ def start_run(repo_root: Path, run: Path, address: str, *overrides: str) -> subp
         sys.executable, "-m", "asyncrl.cli", "train", str(repo_root / "configs/demo.yaml"),
         "--run-dir", str(run), "rollout.backend=ray", "rollout.num_workers=1",
         f"ray.address={address}", "ray.drain_poll_s=0.02", f"rollout.num_prompts_per_step={N}",
-        "rollout.max_new_tokens=56", "run.max_num_steps=14", "checkpoint.save_period=4",
+        "rollout.max_new_tokens=56", "run.max_num_steps=10", "checkpoint.save_period=4",
         "logging.progress=false", "logging.plot=false", *overrides,
     ]  # fmt: skip
     env = {**os.environ, **LOCAL, "PYTHONWARNINGS": "ignore"}
@@ -209,7 +220,7 @@ def test_a_drained_generation_node_hands_its_tokens_back(tmp_path, repo_root, cl
         assert proc.wait(TIMEOUT_S) == 0, output(run)
     finally:
         proc.kill()
-    last = assert_exact_and_audited(run, 14)
+    last = assert_exact_and_audited(run, 10)
     landed, spans = landings(run)
     assert set(landed.values()) == {1}  # every group landed once
     (notice,) = events(run, "preemption_notice") or [None]
@@ -269,4 +280,4 @@ def test_a_drained_trainer_node_checkpoints_and_the_run_resumes(tmp_path, repo_r
     finally:
         resumed.kill()
     assert f"resumed at step {result['step']}" in output(run, tail=0)
-    assert_exact_and_audited(run, 14)
+    assert_exact_and_audited(run, 10)

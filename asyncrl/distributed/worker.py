@@ -94,6 +94,10 @@ class GenerationWorker:
 
 
 RemoteWorker = ray.remote(GenerationWorker)
+NODE_ID_LABEL = "ray.io/node-id"
+"""The label Ray gives every node: its hex id."""
+PLACEMENT_NOTE_S = 30.0
+"""How often a batch waiting on a worker Ray has not placed says so."""
 
 
 @dataclasses.dataclass
@@ -122,7 +126,7 @@ class RayEngine:
 
     def __init__(
         self,
-        make_worker: Callable[[int, int], Any],
+        make_worker: Callable[[int, int, frozenset[str]], Any],
         num_workers: int,
         weights: ObjectStoreWeightSync,
         capabilities: EngineCapabilities,
@@ -130,7 +134,7 @@ class RayEngine:
     ) -> None:
         self._make_worker = make_worker
         self._incarnations = [0] * num_workers
-        self.workers = [make_worker(i, 0) for i in range(num_workers)]
+        self.workers = [make_worker(i, 0, frozenset()) for i in range(num_workers)]
         self.nodes: list[str] = [str(n) for n in ray.get([w.ready.remote() for w in self.workers])]
         """Each worker's Ray node ("" while a replacement waits to be placed)."""
         self._placing: dict[int, Any] = {}  # worker -> its replacement's `ready` call
@@ -146,6 +150,9 @@ class RayEngine:
         self._closed = False
         self._busy: set[int] = set()  # workers with a call in progress
         self._retiring: dict[int, Retiring] = {}
+        self.drained: set[str] = set()
+        """Nodes Ray drains: no replacement is placed on them (Ray's own view of a drain
+        reaches its scheduler a moment later than the drain map)."""
         self.on_event: Callable[..., None] | None = None
         """Records the placements and hand-backs (`events.jsonl`); from any thread."""
         # each worker's engine metrics as last reported, and those of workers since replaced
@@ -206,6 +213,7 @@ class RayEngine:
         back (now with `stop_early`, else when it ends), an idle one is replaced at once.
         Returns the workers newly retiring. From any thread (the drain watcher's)."""
         with self._lock:
+            self.drained.add(node)
             fresh = [i for i in workers if i not in self._retiring and not self._closed]
             now = time.monotonic()
             for i in fresh:
@@ -276,7 +284,7 @@ class RayEngine:
         try:
             for i, call in calls:
                 try:
-                    part, load_s, engine_metrics = ray.get(call)
+                    part, load_s, engine_metrics = self._result(i, call)
                 except RayActorError as err:
                     dead.append((i, err))
                     continue
@@ -306,15 +314,35 @@ class RayEngine:
             ) from cause
         return outputs
 
+    def _result(self, index: int, call: Any) -> Any:
+        """Worker `index`'s answer; says every `PLACEMENT_NOTE_S` seconds that it waits while
+        the worker is a replacement Ray has not placed (no node with its CPUs that is not
+        draining: Ray's autoscaler may be adding one)."""
+        waited = 0.0
+        while not ray.wait([call], timeout=PLACEMENT_NOTE_S)[0]:
+            waited += PLACEMENT_NOTE_S
+            with self._lock:
+                unplaced = not self._placed()[index]
+            if unplaced:
+                print(
+                    f"asyncrl: generation worker {index} has waited {waited:.0f} s for Ray to "
+                    "place it: no node with ray.num_cpus_per_worker free CPUs that is not "
+                    f"draining (drained: {', '.join(n[:8] for n in sorted(self.drained))})",
+                    flush=True,
+                )
+        return ray.get(call)
+
     def _replace(self, index: int) -> None:
-        """A new actor for worker `index` (Ray places it; never on a draining node). Called
-        under `_lock`."""
+        """A new actor for worker `index`, which Ray places on a node not known to be
+        draining. Called under `_lock`."""
         ray.kill(self.workers[index], no_restart=True)  # if only its process is gone
         for key, value in self._engine_metrics[index].items():
             self._replaced_metrics[key] = self._replaced_metrics.get(key, 0.0) + value
         self._engine_metrics[index] = {}
         self._incarnations[index] += 1
-        self.workers[index] = self._make_worker(index, self._incarnations[index])
+        self.workers[index] = self._make_worker(
+            index, self._incarnations[index], frozenset(self.drained)
+        )
         self.nodes[index] = ""
         self._placing[index] = self.workers[index].ready.remote()
 
@@ -338,12 +366,16 @@ def build_ray_engine(config: Config, spec: EngineSpec, weights: ObjectStoreWeigh
     # are never generated with: each version is fetched by reference
     frozen = ray.put(dataclasses.replace(spec, model=copy.deepcopy(spec.model)))
 
-    def make_worker(index: int, incarnation: int) -> Any:
+    def make_worker(index: int, incarnation: int, avoid: frozenset[str]) -> Any:
+        placement: dict[str, Any] = {}
+        if avoid:  # drained nodes, by Ray's own node-id label
+            placement["label_selector"] = {NODE_ID_LABEL: f"!in({', '.join(sorted(avoid))})"}
         return RemoteWorker.options(
             name=worker_name(index, incarnation),
             num_cpus=config.ray.num_cpus_per_worker,
             max_restarts=0,
             max_concurrency=2,  # `stop_generating` runs beside `generate`
+            **placement,
         ).remote(
             config.rollout.engine,
             frozen,
