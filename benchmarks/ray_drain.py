@@ -52,6 +52,14 @@ def title(pid: int) -> str:
         return ""
 
 
+def worker_pid() -> int:
+    """The generation worker's process: Ray titles it `ray::GenerationWorker[.METHOD]`."""
+    for pid in os.listdir("/proc"):
+        if pid.isdigit() and title(int(pid)).startswith(IDLE):
+            return int(pid)
+    return 0
+
+
 def wait(ready: Any, proc: subprocess.Popen) -> Any:
     while not (found := ready()):
         if proc.poll() is not None:
@@ -92,8 +100,7 @@ def trial(watch: bool, work: Path, index: int) -> dict[str, Any]:
 
         node_id = wait(placed, proc)
         (node,) = [n for n in cluster.worker_nodes if n.node_id == node_id]
-        pid = wait(lambda: next((int(p) for p in os.listdir("/proc")
-                                 if p.isdigit() and title(int(p)).startswith(IDLE)), 0), proc)  # fmt: skip
+        pid = wait(lambda: worker_pid(), proc)
         wait(lambda: title(pid) == IDLE, proc)
         wait(lambda: title(pid) != IDLE, proc)  # a call has just begun
         drained = time.time()
@@ -143,8 +150,9 @@ def main() -> None:
             r = trial(watch, work, index)
             (watched if watch else controls).append(r)
             if watch:
-                print(f"{index:5d}  drain    {r['handback_s']:19.2f}  {r['requests']:8d}  "
-                      f"{r['tokens']:11d}  {r['placed_s']:20.1f}  {r['failed_batches']:14d}")  # fmt: skip
+                figures = (f"{r['handback_s']:19.2f}  {r['requests']:8d}  {r['tokens']:11d}  "
+                           f"{r['placed_s']:20.1f}")  # fmt: skip
+                print(f"{index:5d}  drain    {figures}  {r['failed_batches']:14d}")
             else:
                 print(f"{index:5d}  control  {'-':>19}  {'-':>8}  {'-':>11}  {'-':>20}  "
                       f"{r['failed_batches']:14d}")  # fmt: skip

@@ -205,7 +205,7 @@ def test_a_retired_worker_hands_its_call_back_and_the_samples_come_out_the_same(
         metrics = engine.metrics()
     finally:
         engine.shutdown()
-    ((name, handback),) = [e for e in events if e[0] == "drain_handback"]
+    ((_, handback),) = [e for e in events if e[0] == "drain_handback"]
     assert handback["node"] == drained and engine.drained == {drained}
     assert handback["in_call"] and handback["requests"] == 16
     assert handback["stopped_early"] is stop_early
