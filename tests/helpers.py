@@ -149,3 +149,30 @@ def prepared_smollm2(tmp_path_factory: Any) -> Path:
         "smollm2-135m-instruct",
         lambda out: prepare_model("smollm2-135m-instruct", out, log=lambda line: None),
     )
+
+
+def assert_exact_run(run: Path, steps: int, prompts_per_step: int) -> list[dict[str, Any]]:
+    """I1 on every step (step t trained exactly ordinals [t*N, (t+1)*N)) and the audit passing
+    (I3: no ordinal generated twice by a batch that landed; a failed batch lands nothing).
+    Returns each step's last record."""
+    from asyncrl.cli.audit import audit_run_dir
+
+    final = {r["step"]: r for r in read_records(run / "metrics.jsonl")}
+    assert sorted(final) == list(range(steps))
+    n = prompts_per_step
+    for t, record in final.items():
+        assert record["prompt_ordinals"] == list(range(t * n, (t + 1) * n))
+    report = audit_run_dir(run)
+    assert report.ok, report.violations
+    return [final[t] for t in range(steps)]
+
+
+def landed_per_ordinal(run: Path) -> dict[int, int]:
+    """How many times each ordinal's group landed in the buffer (a chunked group is in
+    several timeline rows, and lands with one)."""
+    seen: dict[int, int] = {}
+    for span in read_records(run / "timeline.jsonl"):
+        if span["kind"] == "generate":
+            for k in span["landed"]:
+                seen[k] = seen.get(k, 0) + 1
+    return seen

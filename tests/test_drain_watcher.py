@@ -57,7 +57,7 @@ def test_a_generation_node_drain_retires_its_workers_once_and_says_so():
 
 
 def test_a_drain_of_the_trainers_node_is_a_notice_with_rays_deadline():
-    engine = Engine(["n1"])
+    engine = Engine(["n1", "head"])  # worker 1 beside the trainer: it finishes its call
     soon = int(time.time() * 1000) + 20_000
     made, notices, events = watcher({"head": soon}, engine)
     made.poll()

@@ -122,7 +122,7 @@ def test_a_drain_deadline_is_rays_unix_milliseconds_or_none():
 def test_a_drain_asks_the_trainer_or_the_generation_workers_on_its_node():
     workers = ["w", "t", "w", ""]  # worker 3: a replacement Ray has not placed yet
     assert plan_drain(Drain("w", 0), "t", workers) == DrainPlan(False, (0, 2))
-    assert plan_drain(Drain("t", 0), "t", workers) == DrainPlan(True, (1,))
+    assert plan_drain(Drain("t", 0), "t", workers) == DrainPlan(True, ())  # the run stops
     assert plan_drain(Drain("x", 0), "t", workers) == DrainPlan(False, ())
     assert plan_drain(Drain("", 0), "t", workers) == DrainPlan(False, ())
 

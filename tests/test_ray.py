@@ -16,9 +16,14 @@ import launcher
 import pytest
 import ray
 import torch
-from helpers import read_complete_records, read_records, small_config
+from helpers import (
+    assert_exact_run,
+    landed_per_ordinal,
+    read_complete_records,
+    read_records,
+    small_config,
+)
 
-from asyncrl.cli.audit import audit_run_dir
 from asyncrl.cli.inspect import inspect_run_dir
 from asyncrl.distributed.cluster import NAMESPACE
 from asyncrl.distributed.worker import worker_name
@@ -33,26 +38,7 @@ RAY = ["rollout.backend=ray", "rollout.num_workers=2", f"rollout.num_prompts_per
 
 
 def assert_schedule_and_exactly_once(run: Path, steps: int) -> list[dict]:
-    """I1 on every step, I3 by the audit, and no ordinal generated twice by a batch that
-    landed (a failed batch lands nothing)."""
-    final = {r["step"]: r for r in read_records(run / "metrics.jsonl")}
-    assert sorted(final) == list(range(steps))
-    for t, record in final.items():
-        assert record["prompt_ordinals"] == list(range(t * N, (t + 1) * N))
-    report = audit_run_dir(run)
-    assert report.ok, report.violations
-    return [final[t] for t in range(steps)]
-
-
-def landed_per_ordinal(run: Path) -> dict[int, int]:
-    """How many times each ordinal's group landed in the buffer (a chunked group is in
-    several spans, and lands with one)."""
-    seen: dict[int, int] = {}
-    for span in read_records(run / "timeline.jsonl"):
-        if span["kind"] == "generate":
-            for k in span["landed"]:
-                seen[k] = seen.get(k, 0) + 1
-    return seen
+    return assert_exact_run(run, steps, N)
 
 
 def test_an_end_to_end_run_on_two_worker_actors_passes_the_audit(tmp_path):

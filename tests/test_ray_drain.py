@@ -32,9 +32,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from helpers import read_records
+from helpers import assert_exact_run, landed_per_ordinal, read_records
 
-from asyncrl.cli.audit import audit_run_dir
 from asyncrl.cli.inspect import inspect_run_dir, preemption_line
 
 pytestmark = pytest.mark.slow
@@ -80,7 +79,7 @@ def start_run(repo_root: Path, run: Path, address: str, *overrides: str) -> subp
         sys.executable, "-m", "asyncrl.cli", "train", str(repo_root / "configs/demo.yaml"),
         "--run-dir", str(run), "rollout.backend=ray", "rollout.num_workers=1",
         f"ray.address={address}", "ray.drain_poll_s=0.02", f"rollout.num_prompts_per_step={N}",
-        "rollout.max_new_tokens=56", "run.max_num_steps=10", "checkpoint.save_period=4",
+        "rollout.max_new_tokens=56", "run.max_num_steps=8", "checkpoint.save_period=4",
         "logging.progress=false", "logging.plot=false", *overrides,
     ]  # fmt: skip
     env = {**os.environ, **LOCAL, "PYTHONWARNINGS": "ignore"}
@@ -183,25 +182,6 @@ def drain(cluster: Any, node_id: str, deadline_s: int = 60) -> None:
     )  # fmt: skip
 
 
-def assert_exact_and_audited(run: Path, steps: int) -> dict[str, Any]:
-    final = {r["step"]: r for r in read_records(run / "metrics.jsonl")}
-    assert sorted(final) == list(range(steps))
-    for t, record in final.items():
-        assert record["prompt_ordinals"] == list(range(t * N, (t + 1) * N))
-    report = audit_run_dir(run)
-    assert report.ok, report.violations
-    return final[steps - 1]
-
-
-def landings(run: Path) -> tuple[dict[int, int], list[dict[str, Any]]]:
-    landed: dict[int, int] = {}
-    spans = [s for s in read_records(run / "timeline.jsonl") if s["kind"] == "generate"]
-    for span in spans:
-        for k in span["landed"]:
-            landed[k] = landed.get(k, 0) + 1
-    return landed, spans
-
-
 @pytest.mark.parametrize("watch", [True, False], ids=["hands-back", "control-old-behaviour"])
 def test_a_drained_generation_node_hands_its_tokens_back(tmp_path, repo_root, cluster, watch):
     run = tmp_path / "run"
@@ -220,9 +200,9 @@ def test_a_drained_generation_node_hands_its_tokens_back(tmp_path, repo_root, cl
         assert proc.wait(TIMEOUT_S) == 0, output(run)
     finally:
         proc.kill()
-    last = assert_exact_and_audited(run, 10)
-    landed, spans = landings(run)
-    assert set(landed.values()) == {1}  # every group landed once
+    last = assert_exact_run(run, 8, N)[-1]
+    assert set(landed_per_ordinal(run).values()) == {1}  # every group landed once
+    spans = [s for s in read_records(run / "timeline.jsonl") if s["kind"] == "generate"]
     (notice,) = events(run, "preemption_notice") or [None]
     if not watch:  # the kill took the worker's batch: thrown away, generated again
         assert notice is None
@@ -280,4 +260,4 @@ def test_a_drained_trainer_node_checkpoints_and_the_run_resumes(tmp_path, repo_r
     finally:
         resumed.kill()
     assert f"resumed at step {result['step']}" in output(run, tail=0)
-    assert_exact_and_audited(run, 10)
+    assert_exact_run(run, 8, N)

@@ -173,6 +173,11 @@ class DrainPlan:
 
 def plan_drain(drain: Drain, trainer_node: str, worker_nodes: Sequence[str]) -> DrainPlan:
     """What a drain asks of this run, from the nodes its trainer and its generation workers
-    run on ("" where a worker is not placed yet: Ray places no actor on a draining node)."""
+    run on ("" where a worker is not placed yet). The trainer's node is a notice, and the run
+    stops: its workers there only finish their call (replacements would be for nothing, and
+    where the drained node is the only one, a pass dispatched before the stop would wait for a
+    replacement Ray cannot place)."""
+    if drain.node == trainer_node:
+        return DrainPlan(True, ())
     workers = tuple(i for i, node in enumerate(worker_nodes) if node and node == drain.node)
-    return DrainPlan(drain.node == trainer_node, workers)
+    return DrainPlan(False, workers)
