@@ -29,7 +29,7 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 LOCAL = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_USAGE_STATS_ENABLED": "0"}
-IDLE, CALL = "ray::GenerationWorker", "ray::GenerationWorker.generate"
+IDLE = "ray::GenerationWorker"  # its process title; `.generate` added during a call
 
 
 def events(run: Path, name: str) -> list[dict[str, Any]]:
@@ -50,14 +50,6 @@ def title(pid: int) -> str:
         return Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")[0].decode()
     except OSError:
         return ""
-
-
-def worker_pid() -> int:
-    """The generation worker's process: Ray titles it `ray::GenerationWorker[.METHOD]`."""
-    for pid in os.listdir("/proc"):
-        if pid.isdigit() and title(int(pid)).startswith(IDLE):
-            return int(pid)
-    return 0
 
 
 def wait(ready: Any, proc: subprocess.Popen) -> Any:
@@ -93,14 +85,14 @@ def trial(watch: bool, work: Path, index: int) -> dict[str, Any]:
         proc = subprocess.Popen(args, env={**os.environ, **LOCAL}, stdout=out, stderr=out)
         metrics = run / "metrics.jsonl"
 
-        def placed() -> str:
+        def placed() -> dict[str, Any] | None:
             steps = len(metrics.read_text().splitlines()) if metrics.exists() else 0
             where = events(run, "generation_worker")
-            return where[-1]["node"] if steps >= 2 and where else ""
+            return where[-1] if steps >= 2 and where else None
 
-        node_id = wait(placed, proc)
+        placement = wait(placed, proc)
+        node_id, pid = placement["node"], int(placement["pid"])  # Ray titles its process
         (node,) = [n for n in cluster.worker_nodes if n.node_id == node_id]
-        pid = wait(lambda: worker_pid(), proc)
         wait(lambda: title(pid) == IDLE, proc)
         wait(lambda: title(pid) != IDLE, proc)  # a call has just begun
         drained = time.time()

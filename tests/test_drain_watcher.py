@@ -53,7 +53,7 @@ def test_a_generation_node_drain_retires_its_workers_once_and_says_so():
     assert name == "preemption_notice" and fields["role"] == "generation"
     assert fields["workers"] == [0, 2] and fields["node"] == "n1"
     assert fields["deadline"] == pytest.approx(soon / 1000)
-    assert 25 < fields["deadline_s"] <= 30
+    assert 0 < fields["deadline_s"] <= 30  # Ray's deadline less the seconds since: no clock verdict
 
 
 def test_a_drain_of_the_trainers_node_is_a_notice_with_rays_deadline():
@@ -63,7 +63,7 @@ def test_a_drain_of_the_trainers_node_is_a_notice_with_rays_deadline():
     made.poll()
     (notice,) = notices
     assert notice.source == RAY_DRAIN and notice.node == "head"
-    assert notice.deadline_s is not None and 15 < notice.deadline_s <= 20
+    assert notice.deadline_s is not None and 0 < notice.deadline_s <= 20
     assert engine.retired == [] and events == []  # announced by the training loop
 
 

@@ -116,19 +116,6 @@ def output(run: Path, tail: int = 3000) -> str:
     return (run.parent / f"{run.name}.out").read_text()[-tail:]
 
 
-def worker_pid(proc: subprocess.Popen, run: Path) -> int:
-    """The generation worker's process (Ray titles an actor's process `ray::CLASS`, and
-    `ray::CLASS.METHOD` while a method runs)."""
-
-    def find() -> int:
-        for pid in os.listdir("/proc"):
-            if pid.isdigit() and title(int(pid)).startswith("ray::GenerationWorker"):
-                return int(pid)
-        return 0
-
-    return int(wait_for("the worker's process", find, proc, run))
-
-
 def title(pid: int) -> str:
     try:
         return Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")[0].decode()
@@ -137,25 +124,27 @@ def title(pid: int) -> str:
 
 
 def call_started(pid: int, proc: subprocess.Popen, run: Path) -> None:
-    """Returns once worker `pid` has just begun a call: its title turned from idle to
-    `generate` (a call lasts a few hundred ms; the watcher polls every 20 ms)."""
+    """Returns once the run's worker process `pid` (its `generation_worker` event's: never
+    another suite's) has just begun a call: Ray titles an actor's process `ray::CLASS`, and
+    `ray::CLASS.METHOD` while a method runs (a call lasts a few hundred ms; the watcher polls
+    every 20 ms)."""
     wait_for("an idle worker", lambda: title(pid) == "ray::GenerationWorker", proc, run)
     wait_for("a call", lambda: title(pid) != "ray::GenerationWorker", proc, run)
     assert title(pid) in ("ray::GenerationWorker.generate", ""), title(pid)
 
 
-def worker_node(run: Path, proc: subprocess.Popen, cluster: Any) -> Any:
-    """The cluster node the run's generation worker runs on, once the run has trained two
-    steps (its workers are busy generating for the next ones)."""
+def worker_node(run: Path, proc: subprocess.Popen, cluster: Any) -> tuple[Any, int]:
+    """The cluster node the run's generation worker runs on and its process id, once the run
+    has trained two steps (its workers are busy generating for the next ones)."""
 
-    def placed() -> str:
+    def placed() -> dict[str, Any] | None:
         steps = len(read_records(run / "metrics.jsonl")) if (run / "metrics.jsonl").exists() else 0
         placements = events(run, "generation_worker")
-        return placements[-1]["node"] if steps >= 2 and placements else ""
+        return placements[-1] if steps >= 2 and placements else None
 
-    node_id = wait_for("a placed generation worker", placed, proc, run)
-    (node,) = [n for n in cluster.worker_nodes if n.node_id == node_id]
-    return node
+    placement = wait_for("a placed generation worker", placed, proc, run)
+    (node,) = [n for n in cluster.worker_nodes if n.node_id == placement["node"]]
+    return node, int(placement["pid"])
 
 
 def drain_now(cluster: Any, node_id: str, deadline_s: int = 60) -> None:
@@ -187,8 +176,7 @@ def test_a_drained_generation_node_hands_its_tokens_back(tmp_path, repo_root, cl
     run = tmp_path / "run"
     proc = start_run(repo_root, run, cluster.address, f"ray.watch_drains={str(watch).lower()}")
     try:
-        node = worker_node(run, proc, cluster)
-        pid = worker_pid(proc, run)
+        node, pid = worker_node(run, proc, cluster)
         call_started(pid, proc, run)
         drain_now(cluster, node.node_id)
         if watch:
@@ -236,9 +224,11 @@ def test_a_drained_generation_node_hands_its_tokens_back(tmp_path, repo_root, cl
 
 def test_a_drained_trainer_node_checkpoints_and_the_run_resumes(tmp_path, repo_root, cluster):
     run = tmp_path / "run"
-    proc = start_run(repo_root, run, cluster.address)
+    # steps enough that the drain, not the end, stops it: the command's start-up takes
+    # seconds, a step here a fraction of one
+    proc = start_run(repo_root, run, cluster.address, "run.max_num_steps=1000")
     try:
-        worker_node(run, proc, cluster)
+        worker_node(run, proc, cluster)  # the run is under way
         drain(cluster, cluster.head_node.node_id, deadline_s=45)
         assert proc.wait(TIMEOUT_S) == 75, output(run)
     finally:
@@ -254,10 +244,11 @@ def test_a_drained_trainer_node_checkpoints_and_the_run_resumes(tmp_path, repo_r
     line = preemption_line(inspect_run_dir(run)["last_preemption"])
     assert line.startswith(f"last preemption: ray_drain at step {result['step']} (deadline")
     assert "(met" in line
-    resumed = start_run(repo_root, run, cluster.address)
+    steps = result["step"] + 4  # the resumed launch trains 4 more
+    resumed = start_run(repo_root, run, cluster.address, f"run.max_num_steps={steps}")
     try:
         assert resumed.wait(TIMEOUT_S) == 0, output(run)
     finally:
         resumed.kill()
     assert f"resumed at step {result['step']}" in output(run, tail=0)
-    assert_exact_run(run, 8, N)
+    assert_exact_run(run, steps, N)

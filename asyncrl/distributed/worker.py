@@ -88,9 +88,9 @@ class GenerationWorker:
         if stop is not None:
             stop()
 
-    def ready(self) -> str:
-        """The id of the Ray node this worker runs on."""
-        return str(ray.get_runtime_context().get_node_id())
+    def ready(self) -> tuple[str, int]:
+        """The id of the Ray node this worker runs on, and its process id."""
+        return str(ray.get_runtime_context().get_node_id()), os.getpid()
 
 
 RemoteWorker = ray.remote(GenerationWorker)
@@ -135,8 +135,11 @@ class RayEngine:
         self._make_worker = make_worker
         self._incarnations = [0] * num_workers
         self.workers = [make_worker(i, 0, frozenset()) for i in range(num_workers)]
-        self.nodes: list[str] = [str(n) for n in ray.get([w.ready.remote() for w in self.workers])]
+        placed = ray.get([w.ready.remote() for w in self.workers])
+        self.nodes: list[str] = [str(node) for node, _ in placed]
         """Each worker's Ray node ("" while a replacement waits to be placed)."""
+        self.pids: list[int] = [int(pid) for _, pid in placed]
+        """Each worker's process id on its node (0 while a replacement waits)."""
         self._placing: dict[int, Any] = {}  # worker -> its replacement's `ready` call
         self.weights = weights
         self.capabilities = capabilities  # type: ignore[misc]
@@ -181,8 +184,11 @@ class RayEngine:
             self.on_event = emit
             for i, node in enumerate(self.nodes):
                 if node:
-                    self._emit("generation_worker", worker=i,
-                               incarnation=self._incarnations[i], node=node)  # fmt: skip
+                    self._emit_placement(i)
+
+    def _emit_placement(self, index: int) -> None:
+        self._emit("generation_worker", worker=index, incarnation=self._incarnations[index],
+                   node=self.nodes[index], pid=self.pids[index])  # fmt: skip
 
     def _emit(self, event: str, **fields: Any) -> None:
         if self.on_event is not None:
@@ -201,11 +207,11 @@ class RayEngine:
                 continue
             del self._placing[i]
             try:
-                self.nodes[i] = str(ray.get(ready))
+                node, pid = ray.get(ready)
             except RayActorError:
                 continue  # died before it was placed: its next batch replaces it
-            self._emit("generation_worker", worker=i, incarnation=self._incarnations[i],
-                       node=self.nodes[i])  # fmt: skip
+            self.nodes[i], self.pids[i] = str(node), int(pid)
+            self._emit_placement(i)
         return list(self.nodes)
 
     def retire(self, workers: list[int], node: str, deadline_ms: int) -> list[int]:
@@ -343,7 +349,7 @@ class RayEngine:
         self.workers[index] = self._make_worker(
             index, self._incarnations[index], frozenset(self.drained)
         )
-        self.nodes[index] = ""
+        self.nodes[index], self.pids[index] = "", 0
         self._placing[index] = self.workers[index].ready.remote()
 
     def shutdown(self) -> None:
