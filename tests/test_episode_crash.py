@@ -223,18 +223,24 @@ def test_what_each_resume_policy_and_restore_kind_redoes(
     assert audit_run_dir(run).ok
 
 
-def test_a_restart_environment_continues_a_first_turn_that_asked_no_step(tmp_path, repo_root):
+def test_a_restart_environment_continues_a_first_turn_that_asked_no_step(
+    tmp_path, repo_root, monkeypatch
+):
     """Issue 44, defect 6: an environment that can only start over lost the tokens of a first
-    turn that had asked no step. Turns of 2 tokens in chunks of 1, killed after a checkpoint
+    turn that had asked no step. Turns of up to 16 tokens in chunks of 1, killed after a checkpoint
     whose cut holds such a turn: the resume continues it at its token (`continued_partials`:
     audit's I3 then checks that no token of it was generated again) and starts over only the
     episodes that took a step, as `inspect` predicted."""
     run = tmp_path / "run"
-    extra = ["rollout.chunk_tokens=1", "rollout.max_new_tokens=6", "env.max_episode_tokens=40"]
+    # turns of up to 16 tokens: a first turn spans many chunks, so about half the cuts hold
+    # one (5 and 6 of 12 in two runs, idle AMD EPYC); with turns of 6, a cut caught one only
+    # where the cores were shared (none of 12 alone: the cut waits out the previous write)
+    extra = ["rollout.chunk_tokens=1", "rollout.max_new_tokens=16", "env.max_episode_tokens=56"]
     fault = "checkpoint.parent_fsynced[first_turn_tokens]>episode.env_step:2"
     code, _, out = run_to(run, repo_root, "TallyRestart", fault, extra=extra)
     assert code == -signal.SIGKILL, out[-2000:]
-    predicted = inspect_run_dir(run)["resume_cost"]["lossless"]
+    monkeypatch.syspath_prepend(str(repo_root / "tests" / "user_envs"))  # inspect knows it
+    predicted = inspect_run_dir(run)["resume_cost"]["lossless"]  # restarts (`restore`)
     code, _, out = run_to(run, repo_root, "TallyRestart", extra=extra)
     assert code == 0, out[-3000:]
     (event,) = [e for e in read_records(run / "events.jsonl") if e["event"] == "resume"]
