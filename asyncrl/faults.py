@@ -21,6 +21,9 @@ not -9) and says its precondition was not met.
 
 `ASYNCRL_FAULT_SIGNAL=SIGTERM` sends that signal instead of SIGKILL, once: a preemption
 notice placed by state (`train.backward[step=3]:2`: in the middle of step 3's passes).
+`ASYNCRL_FAULT_THEN`, a second spec, counts only once the first was reached and SIGKILLs
+there: the kill at the deadline after the notice (`checkpoint.file_written[step=3]`: while
+the notice's checkpoint is being written).
 
 Facts come from the point's call (`fault_point("train.optimizer_step", step=t)`) and from the
 calling thread's `fault_facts(...)` context: the checkpoint writer states the facts of the cut
@@ -173,6 +176,8 @@ def parse_signal(name: str) -> signal.Signals:
 _STAGES = parse(os.environ.get("ASYNCRL_FAULT", ""))
 _SIGNAL = parse_signal(os.environ.get("ASYNCRL_FAULT_SIGNAL", ""))
 _TRIGGER = Trigger(_STAGES) if _STAGES else None
+_THEN = parse(os.environ.get("ASYNCRL_FAULT_THEN", ""))
+_THEN_TRIGGER = Trigger(_THEN) if _THEN and _STAGES else None
 _lock = threading.Lock()
 _local = threading.local()
 
@@ -193,10 +198,15 @@ def fault_point(name: str, **facts: int) -> None:
     (or sends it `ASYNCRL_FAULT_SIGNAL`, once: a preemption notice placed by state)."""
     if _TRIGGER is None:
         return
+    facts = {**getattr(_local, "facts", {}), **facts}
     with _lock:
-        reached = _TRIGGER.passed(name, {**getattr(_local, "facts", {}), **facts})
+        fired = _TRIGGER.index >= len(_TRIGGER.stages)
+        reached = _TRIGGER.passed(name, facts)
+        then = fired and _THEN_TRIGGER is not None and _THEN_TRIGGER.passed(name, facts)
     if reached:
         os.kill(os.getpid(), _SIGNAL)
+    elif then:
+        os.kill(os.getpid(), signal.SIGKILL)
 
 
 def cut_facts(states: dict[str, Any]) -> dict[str, int]:

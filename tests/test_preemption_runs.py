@@ -28,9 +28,11 @@ MICRO = ["train.micro_batch_size=4"]
 """16 rows a step in 4 micro-batches: a notice can come between two of them."""
 
 
-def launch(run: Path, repo_root: Path, fault: str = "", sig: str = "", extra=()) -> tuple:
+def launch(
+    run: Path, repo_root: Path, fault: str = "", sig: str = "", extra=(), **env_vars: str
+) -> tuple:
     env = {**os.environ, "PYTHONWARNINGS": "ignore", "ASYNCRL_FAULT": fault,
-           "ASYNCRL_FAULT_SIGNAL": sig}  # fmt: skip
+           "ASYNCRL_FAULT_SIGNAL": sig, **env_vars}  # fmt: skip
     command = [sys.executable, "-m", "asyncrl.cli", "train", str(repo_root / "configs/demo.yaml")]
     proc = launcher.popen(
         [*command, "--run-dir", str(run), *DETERMINISTIC, *MICRO, *extra],
@@ -120,6 +122,68 @@ def test_a_deadline_the_checkpoint_cannot_meet_is_said_at_the_notice(tmp_path, r
     code, out = launch(run, repo_root)
     assert code == 0, out[-3000:]
     assert audit_run_dir(run).ok
+
+
+def spans_of(run: Path, attempt: int, ordinals: set[int]) -> dict[int, int]:
+    """Tokens each of `ordinals` was generated in `attempt` (its generation spans)."""
+    tokens: dict[int, int] = {}
+    for span in read_records(run / "timeline.jsonl"):
+        if span.get("kind") != "generate" or span.get("attempt") != attempt:
+            continue
+        for k, counts in zip(span["ordinals"], span["token_counts"], strict=True):
+            if k in ordinals:
+                tokens[k] = tokens.get(k, 0) + sum(counts)
+    return tokens
+
+
+@pytest.mark.parametrize("kept_put_back", [True, False], ids=["kept", "control"])
+def test_killed_at_the_deadline_the_rollouts_of_the_checkpoints_weights_are_kept(
+    tmp_path, repo_root, reference, kept_put_back
+):
+    """`checkpoint.grace_s=0`: the notice's checkpoint cannot fit, so the run first writes,
+    beside the newest verified checkpoint S, the rollouts weights S (or older) sampled since;
+    then the kill at the deadline comes while step 7's checkpoint is being written (placed
+    by state: `ASYNCRL_FAULT_THEN`). The resume from S puts them back: none of their tokens
+    is generated again, and the run is bit for bit the uninterrupted one. The control resumes
+    with them ignored (`ASYNCRL_TEST_SKIP_RESTORE=kept`): as exact (deterministic mode
+    generates the same tokens again), but it pays for every one of them a second time."""
+    run = tmp_path / "run"
+    code, out = launch(run, repo_root, "train.backward[step=7]:2", "SIGTERM",
+                       ["checkpoint.grace_s=0"],
+                       ASYNCRL_FAULT_THEN="checkpoint.file_written[step=7]")  # fmt: skip
+    assert code == -9, out[-3000:]
+    (kept,) = events_of(run, "rollouts_kept")
+    latest, _ = run_store(run).latest()
+    assert latest is not None and latest.step == kept["step"] in (3, 6)  # 6's write may be
+    assert kept["cut_step"] == 7 and kept["tokens"] > 0  # in progress at the notice
+    assert "does NOT fit" in out and f"kept beside step {kept['step']}'s checkpoint" in out
+    assert not events_of(run, "preemption_result")  # the kill came first
+    info = inspect_run_dir(run)
+    assert info["kept_rollouts"]["ordinals"] == kept["ordinals"]
+    assert preemption_line(info["last_preemption"]).endswith(
+        f"beside step {kept['step']}'s checkpoint"
+    )
+    ordinals = set(kept["ordinals"])
+    before = spans_of(run, 0, ordinals)
+    assert set(before) == ordinals  # each was generated before the kill
+    skip = {} if kept_put_back else {"ASYNCRL_TEST_SKIP_RESTORE": "kept"}
+    code, out = launch(run, repo_root, **skip)
+    assert code == 0, out[-3000:]
+    assert fingerprint(run) == reference
+    report = audit_run_dir(run)
+    assert report.ok, report.violations
+    (resume,) = events_of(run, "resume")
+    again = spans_of(run, 1, ordinals)
+    if kept_put_back:
+        assert resume["kept_rollouts"]["ordinals"] == kept["ordinals"]
+        assert resume["kept_rollouts"]["tokens"] == kept["tokens"]
+        finished = {k for k, p in resume["continued_partials"].items() if all(p["finished"])}
+        assert not {str(k) for k in again} & finished  # no finished kept group generated again
+        assert sum(again.values()) < sum(before.values())
+    else:
+        assert "kept_rollouts" not in resume
+        assert again == before  # all of it paid for again, token for token
+    assert not list((run / "checkpoints").glob("kept_*"))  # stale once a newer one verified
 
 
 def test_slurms_sigusr1_is_a_notice_with_its_own_deadline(tmp_path, repo_root):

@@ -99,7 +99,7 @@ def test_a_resume_decodes_the_checkpoint_once_and_keeps_no_copy_of_it(tmp_path, 
     import weakref
 
     import asyncrl.checkpoint.snapshot as snapshot_module
-    import asyncrl.train.trainer as trainer_module
+    import asyncrl.train.resume as resume_module
     from asyncrl.train.rundir import open_run_dir
     from asyncrl.train.trainer import Trainer
 
@@ -114,7 +114,7 @@ def test_a_resume_decodes_the_checkpoint_once_and_keeps_no_copy_of_it(tmp_path, 
 
     monkeypatch.setattr(snapshot_module, "read_tensors", counting)
     decoded: list[weakref.ref] = []
-    decode = trainer_module.decode
+    decode = resume_module.decode
 
     def remembering(verified):
         snapshot = decode(verified)
@@ -122,7 +122,7 @@ def test_a_resume_decodes_the_checkpoint_once_and_keeps_no_copy_of_it(tmp_path, 
         decoded.extend(weakref.ref(t) for t in snapshot.parts["model"].values())
         return snapshot
 
-    monkeypatch.setattr(trainer_module, "decode", remembering)
+    monkeypatch.setattr(resume_module, "decode", remembering)
     config = small_config("run.max_num_steps=3")
     opened = open_run_dir(run, config)
     assert files_read == []  # the config comparison read state.json only

@@ -50,6 +50,7 @@ from asyncrl.checkpoint.files import (
     _stat_key,
     _write_synced,
 )
+from asyncrl.checkpoint.kept import remove_stale
 from asyncrl.faults import fault_point
 
 FORMAT = "asyncrl-checkpoint"
@@ -442,6 +443,8 @@ class CheckpointStore:
             deleted.append(old.path)
             self._trusted.pop(old.path, None)
             self._judged = {k: v for k, v in self._judged.items() if k[0] != old.path}
+        if verified:  # rollouts kept beside an older checkpoint: the newest holds them
+            deleted += remove_stale(self.root, verified[0].step)
         return deleted + self.clean_temp()
 
     def clean_temp(self) -> list[Path]:

@@ -9,10 +9,12 @@ from typing import Any
 
 import torch
 
+from asyncrl.checkpoint.kept import KeptFileError, kept_path, read_kept
 from asyncrl.checkpoint.run_checkpoints import run_store
 from asyncrl.checkpoint.snapshot import decode_parts, read_parts
 from asyncrl.checkpoint.store import Verified
 from asyncrl.core.buffer import tokens_per_group
+from asyncrl.core.kept import steps_lost
 from asyncrl.core.partial import Partial
 from asyncrl.core.resume import POLICIES, ResumePolicy, SavedLedger, plan_resume
 from asyncrl.train.preemption import tail_events
@@ -21,7 +23,8 @@ from asyncrl.train.preemption import tail_events
 def inspect_run_dir(run_dir: Path) -> dict[str, Any]:
     """The newest verified checkpoint of `run_dir`: its ledger, buffer per target, partial
     generations, and each resume policy's cost (`asyncrl inspect --json` prints this)."""
-    latest, rejected = run_store(run_dir).latest()
+    store = run_store(run_dir)
+    latest, rejected = store.latest()
     if latest is None:
         return {"run_dir": str(run_dir), "checkpoint": None, "rejected": rejected}
     parts, config = read_parts(latest)
@@ -58,7 +61,25 @@ def inspect_run_dir(run_dir: Path) -> dict[str, Any]:
         else None,
         "resume_cost": {policy: _cost(saved, policy, restore == "restart") for policy in POLICIES},
         "last_preemption": last_preemption(run_dir),
+        "kept_rollouts": _kept(store.root, saved.step, store.run_id),
         "rejected": rejected,
+    }
+
+
+def _kept(root: Path, step: int, run_id: str) -> dict[str, Any] | None:
+    """The rollouts a preemption notice kept beside this checkpoint, as a `lossless` resume
+    would put them back (verified); None where there are none."""
+    try:
+        found = read_kept(root, step, run_id)
+    except KeptFileError as err:
+        return {"ignored": str(err)}
+    if found is None:
+        return None
+    kept, account = found
+    return {
+        "file": str(kept_path(root, step)),
+        "ordinals": [k.ordinal for k in kept],
+        **account,
     }
 
 
@@ -105,7 +126,8 @@ def last_preemption(run_dir: Path) -> dict[str, Any] | None:
         ]
         return {"notice": notice, "result": None, "handbacks": handbacks}
     result = next((e for e in after if e.get("event") == "preemption_result"), None)
-    return {"notice": notice, "result": result}
+    kept = next((e for e in after if e.get("event") == "rollouts_kept"), None)
+    return {"notice": notice, "result": result, "kept": kept}
 
 
 def _restore_kind(env_name: str) -> str | None:
@@ -272,6 +294,8 @@ def render(info: dict[str, Any]) -> None:
             *(turns if episodes else ()),
         )
     console.print(costs)
+    if (kept := info.get("kept_rollouts")) is not None:
+        console.print(kept_rollouts_line(kept, info["step"]))
     if (preempted := info.get("last_preemption")) is not None:
         console.print(preemption_line(preempted))
 
@@ -293,11 +317,27 @@ def preemption_line(preempted: dict[str, Any]) -> str:
             f"{returned} requests ({tokens} tokens kept) and were replaced"
         )
     head = f"last preemption: {notice['source']} at step {notice['step']} ({deadline})"
+    kept = preempted.get("kept")
+    first = "" if kept is None else (
+        f"; first kept {kept['groups']} finished and {kept['partial_groups']} partial groups "
+        f"({kept['tokens']} tokens) beside step {kept['step']}'s checkpoint")  # fmt: skip
     if result is None:
-        return f"{head}: no checkpoint was verified after it (killed before?)"
+        return f"{head}: no checkpoint was verified after it (killed before?){first}"
     met = {True: "met", False: "MISSED", None: "no deadline"}[result.get("met")]
     given_up = ", its step given up" if result.get("abandoned_step") else ""
     return (
         f"{head}: checkpoint of step {result['step']} verified "
-        f"{result['notice_to_durable_s']:.2f} s after the notice ({met}{given_up})"
+        f"{result['notice_to_durable_s']:.2f} s after the notice ({met}{given_up}){first}"
+    )
+
+
+def kept_rollouts_line(kept: dict[str, Any], step: int) -> str:
+    """`inspect`'s line for rollouts a notice kept beside the newest checkpoint."""
+    if "ignored" in kept:
+        return f"rollouts kept at a notice: IGNORED on resume: {kept['ignored']}"
+    return (
+        f"rollouts kept at a notice beside step {step}: {kept['groups']} finished and "
+        f"{kept['partial_groups']} partial groups, {kept['tokens']} tokens (a lossless resume "
+        f"puts them back; {kept['lost_tokens']} tokens of newer weights and the training of "
+        f"{steps_lost(step, kept['cut_step'])} were lost)"
     )

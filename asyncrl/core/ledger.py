@@ -8,6 +8,8 @@ after a resume; `buffered` lives in the replay buffer; `trained` is every ordina
 step. The ledger owns the first two. `admit` checks the window *before* pulling from the
 stream, so a pulled ticket is never stranded. An in-flight ordinal generated in chunks has
 its samples so far in `partials` (saved in a checkpoint; a `lossless` resume continues them).
+Rollouts kept at a preemption notice beside the checkpoint a resume loaded (`asyncrl.core.kept`)
+wait in `kept` until the stream hands their ordinals out, then continue as partials do.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from __future__ import annotations
 from collections import deque
 from typing import Any
 
+from asyncrl.core.kept import KeptRollout
 from asyncrl.core.partial import Partial
 from asyncrl.core.resume import ResumePlan, SavedLedger
 from asyncrl.core.stream import PromptStream
@@ -29,6 +32,9 @@ class Ledger:
         self.redispatch: deque[PromptTicket] = deque()
         self.partials: dict[int, Partial] = {}
         """In-flight (or queued) ordinal -> its samples so far, when generated in chunks."""
+        self.kept: dict[int, Partial] = {}
+        """Ordinal the stream has not handed out yet -> its samples kept at a preemption
+        notice (`keep`): its partial once it is handed out."""
 
     def next_target(self) -> int:
         """The target of the next ticket `admit` would hand out: re-dispatches come first."""
@@ -53,6 +59,8 @@ class Ledger:
             if redispatching and not self.redispatch:
                 break  # re-dispatched tickets go out as a batch of their own, as they were
             ticket = self.redispatch.popleft() if self.redispatch else self.stream.take()
+            if (kept := self.kept.pop(ticket.ordinal, None)) is not None:
+                self.partials[ticket.ordinal] = kept
             self.in_flight[ticket.ordinal] = ticket
             tickets.append(ticket)
         return tickets
@@ -112,16 +120,20 @@ class Ledger:
             return
         self.redispatch.clear()
         self.partials.clear()
+        self.kept.clear()
         self.stream.schedule.refill(self.stream.cursor, plan.fills, plan.next_target)
 
     def state_dict(self) -> dict[str, Any]:
         """In a checkpoint, in-flight and queued tickets are both saved as in flight: a resume
         dispatches them again (lossless) or skips them (lossy policies), with their partial
         samples (tensors). The stream is a part of its own."""
-        return {
+        state: dict[str, Any] = {
             "in_flight": [[t.ordinal, t.target_step] for t in self.unfinished()],
             "partial": {k: p.state_dict() for k, p in sorted(self.partials.items())},
         }
+        if self.kept:  # only after a resume that put kept rollouts back: else as before
+            state["kept"] = {k: p.state_dict() for k, p in sorted(self.kept.items())}
+        return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.in_flight = {}
@@ -135,6 +147,11 @@ class Ledger:
             for k, p in state.get("partial", {}).items()
             if int(k) in queued
         }
+        cursor = self.stream.cursor
+        self.kept = {
+            int(k): Partial.from_state(p) for k, p in state.get("kept", {}).items()
+            if int(k) >= cursor
+        }  # fmt: skip
 
     def recovered(self, ordinal: int, partial: Partial) -> None:
         """The queued ordinal's samples with the turns a resume recovered from the steps log
@@ -142,3 +159,32 @@ class Ledger:
         if all(t.ordinal != ordinal for t in self.redispatch):
             raise KeyError(f"ordinal {ordinal} is not queued for dispatch")
         self.partials[ordinal] = partial
+
+    def keep(self, kept: list[KeptRollout], buffered: set[int]) -> list[KeptRollout]:
+        """Puts back the rollouts a preemption notice kept beside the restored checkpoint: a
+        queued ordinal continues from its kept samples when it is dispatched again, and one
+        the stream has not handed out yet gets them when it is. An ordinal the restored buffer
+        holds (`buffered`) or the checkpoint had trained is left alone. Returns those put back.
+        A kept ordinal's target differs from the schedule's: `ValueError`."""
+        queued = {t.ordinal: t for t in self.redispatch}
+        cursor = self.stream.cursor
+        wanted = []
+        for item in kept:  # every target checked before anything changes
+            k = item.ordinal
+            if k in buffered or (k < cursor and k not in queued):
+                continue
+            target = queued[k].target_step if k in queued else self.stream.ticket(k).target_step
+            if target != item.target_step:
+                raise ValueError(
+                    f"kept ordinal {k} has target step {item.target_step}; the schedule "
+                    f"gives {target}"
+                )
+            before = self.partials.get(k)
+            if before is None or before.num_tokens < item.partial.num_tokens:
+                wanted.append(item)
+        for item in wanted:
+            if item.ordinal in queued:
+                self.partials[item.ordinal] = item.partial
+            else:
+                self.kept[item.ordinal] = item.partial
+        return wanted

@@ -367,20 +367,24 @@ class Collector:
             self._record_spans()  # the batch's last rows
 
     def _land_recovered(self, tickets: list[PromptTicket], partials: dict[int, Partial]) -> None:
-        """Groups whose every episode the steps log recovered to its end (`EpisodeRunner.open`)
-        go to the buffer without an engine pass."""
+        """Groups that open finished go to the buffer without an engine pass: every episode
+        recovered to its end by the steps log (`EpisodeRunner.open`), or every sample kept
+        finished at a preemption notice (`asyncrl.core.kept`), scored now."""
         done = [t for t in tickets if partials[t.ordinal].done]
         if not done:
             return
-        assert self.episodes is not None  # only recovered episodes open finished
-        for t in done:
-            self._scores[t.ordinal] = self.episodes.scores(partials[t.ordinal])
+        if self.episodes is not None:
+            scores = [self.episodes.scores(partials[t.ordinal]) for t in done]
+        else:
+            scores = self.scorer([(t, self._output(partials[t.ordinal])) for t in done])
+        self._scores.update({t.ordinal: s for t, s in zip(done, scores, strict=True)})
         groups = [self._group(t, partials[t.ordinal], 0.0) for t in done]
         with self._cond:
             for g in groups:
                 self.buffer.add(g)
                 self.ledger.complete(g.ordinal)
-                self.episodes.forget(g.ordinal)
+                if self.episodes is not None:
+                    self.episodes.forget(g.ordinal)
 
     def _opened(self, ticket: PromptTicket, saved: Partial | None) -> Partial:
         """The ticket's samples so far: its saved partial (a resumed or failed batch's), or

@@ -12,7 +12,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from asyncrl.core.preemption import Measured, estimate_s, outcome, plan_stop, seconds
+from asyncrl.core.preemption import Measured, StopPlan, estimate_s, outcome, plan_stop, seconds
 from asyncrl.train.signals import StopRequest
 
 TAIL_BYTES = 64 << 10
@@ -61,6 +61,13 @@ class Deadlines:
         """A checkpoint was verified (its event's fields)."""
         self.measured.append(measured_of(fields))
         self.verified_step = int(fields["step"])
+
+    def plan(self, stop: StopRequest) -> StopPlan | None:
+        """The plan for the notice whose deadline comes first, now (None: no notice)."""
+        notice = stop.notice
+        if notice is None:
+            return None
+        return plan_stop(notice, time.monotonic(), estimate_s(self.measured))
 
     def announce(self, stop: StopRequest, step: int, emit: Callable[..., None]) -> None:
         """Prints and records each notice not yet announced: its deadline, and whether the

@@ -36,17 +36,15 @@ import transformers
 from tqdm import tqdm
 
 from asyncrl.algos.update import StepAbandoned, abandonable
-from asyncrl.checkpoint.restore import SKIP_RESTORE, ShapeMismatch, load_parts
 from asyncrl.checkpoint.schedule import CheckpointSchedule
-from asyncrl.checkpoint.snapshot import RNGState, Snapshot, Stateful, decode
+from asyncrl.checkpoint.snapshot import RNGState, Snapshot, Stateful
 from asyncrl.checkpoint.staging import Cut, StagingArea
-from asyncrl.checkpoint.store import CheckpointError, Verified
+from asyncrl.checkpoint.store import CheckpointError
 from asyncrl.checkpoint.writer import CheckpointWriter
 from asyncrl.config import Config
-from asyncrl.config.keys import benign_differences, config_hash
-from asyncrl.core.buffer import tokens_per_group
+from asyncrl.config.keys import config_hash
 from asyncrl.core.episodes import recorded_steps
-from asyncrl.core.resume import ResumePlan, continued_samples, plan_resume
+from asyncrl.core.resume import ResumePlan
 from asyncrl.core.types import Group
 from asyncrl.faults import cut_facts, fault_facts, fault_point
 from asyncrl.models.device import dtype_line, model_device
@@ -54,32 +52,28 @@ from asyncrl.models.lora import check_base, checkpoint_part, save_final
 from asyncrl.rollout.collector import Chunk, GenerationFailed
 from asyncrl.rollout.episodes import EpisodeRunner
 from asyncrl.rollout.evaluation import eval_line, is_eval_record
-from asyncrl.tasks.environments import environment_class
 from asyncrl.train.components import build_components
+from asyncrl.train.kept import RolloutKeeper, held_by, kept_line
 from asyncrl.train.preemption import Deadlines
 from asyncrl.train.ranks import (
     COLLECTIVE_DEATH_WAIT_S,
     RankFailed,
     RankGroup,
     launch,
-    restore_templates,
 )
 from asyncrl.train.records import (
     RunLogs,
     generation_span,
-    plan_fields,
-    resume_line,
     step_record,
     unix_time,
     wall_before,
 )
+from asyncrl.train.resume import restore, resume
 from asyncrl.train.rundir import (
     SCRATCH_DIR,
     RunDir,
     open_run_dir,
-    other_shapes,
     record_launch,
-    refuse_other_data,
 )
 from asyncrl.train.signals import Preempted, StopRequest
 
@@ -136,7 +130,7 @@ class Trainer:
         self.continued: dict[int, tuple[list[int], list[bool]]] = {}
         self.recorded_steps: list[str] = []
         self._cut_steps: list[str] | None = None
-        self._env_steps_offset = 0
+        self.env_steps_offset = 0
         self._start_s = time.perf_counter()
         self.staging = StagingArea(
             {"auto": None, "keep": True, "release": False}[config.checkpoint.staging_buffer]
@@ -148,6 +142,11 @@ class Trainer:
         self.deadlines = Deadlines(self.run_dir / "events.jsonl")
         """Measured checkpoint times, for a preemption notice's deadline."""
         self.abandoned_step: int | None = None
+        self.keeper = RolloutKeeper(self.run_dir / "checkpoints", run.run_id)
+        """Groups trained since the newest verified checkpoint, for a notice's kept rollouts."""
+        self.keeps = not config.env.name and config.checkpoint.resume_policy == "lossless"
+        """Whether a notice whose checkpoint does not fit keeps rollouts (single-turn,
+        `lossless`: multi-turn runs recover their turns from the steps log)."""
         self.writer = CheckpointWriter(
             run.store, config_hash(config), config.checkpoint.keep_last, self._saved
         )
@@ -188,7 +187,7 @@ class Trainer:
         self.last_saved_step = self.step
         if state.get("wall_s") is not None:  # else (older checkpoints) the records are scanned
             self._wall_s = float(state["wall_s"])
-        self._env_steps_offset = int(state.get("env_steps_offset") or 0)
+        self.env_steps_offset = int(state.get("env_steps_offset") or 0)
 
     def _episodes(self) -> EpisodeRunner | None:
         return self.parts.collector.episodes
@@ -205,119 +204,20 @@ class Trainer:
             states = {name: part.state_dict() for name, part in parts.items()}
             cut = self.staging.stage(states, self.config.to_dict(), STAGED_IN_BACKGROUND)
             cut.facts = cut_facts(states)
+            if self.keeps:
+                self.keeper.cut(self.step, held_by(states))
             self._cut_steps = recorded_steps(states["ledger"]) if self.config.env.name else None
             pause_s = time.perf_counter() - start
         return cut, pause_s
 
     def restore(self, snapshot: Snapshot) -> ResumePlan:
         """Loads every part, then applies `checkpoint.resume_policy`; returns the plan."""
-        try:
-            load_parts(self.stateful_parts(), snapshot)
-        except ShapeMismatch as err:
-            raise other_shapes(self.run, err, self.config.model) from None
-        ledger, buffer = self.parts.ledger, self.parts.buffer
-        tokens = tokens_per_group(snapshot.parts["buffer"])
-        saved = ledger.saved(self.step, buffer.ordinals_and_targets(), tokens)
-        self.recorded_steps = recorded_steps(ledger.state_dict())  # as restored
-        restarts = bool(self.config.env.name) and (
-            environment_class(self.config.env.name).restore == "restart"
-        )
-        policy = self.config.checkpoint.resume_policy
-        plan = plan_resume(saved, policy, restarts)
-        self.continued = continued_samples(saved, policy, restarts)
-        ledger.apply(plan)
-        buffer.discard(plan.discarded)
-        if (episodes := self._episodes()) is not None:
-            plan.turns_recovered = self._recover_turns(episodes)
-        self._publish_weights(self.step)
-        return plan
-
-    def _recover_turns(self, episodes: EpisodeRunner) -> int:
-        """Puts the turns the steps log holds past the checkpoint (from its offset) back into
-        the ledger's queued samples, before any is dispatched (so the next checkpoint's cut
-        holds them and its offset can start later); returns how many."""
-        ledger = self.parts.ledger
-        queued = {t.ordinal for t in ledger.redispatch}
-        cursor = self.parts.stream.cursor  # ordinals from here were not handed out yet
-        episodes.log.load(self._env_steps_offset, lambda k: k in queued or k >= cursor)
-        for ticket in list(ledger.redispatch):
-            saved = ledger.partials.get(ticket.ordinal)
-            partial, n = episodes.recover(
-                ticket, saved, self.config.rollout.num_generations_per_prompt
-            )
-            if partial is not None and n:
-                ledger.recovered(ticket.ordinal, partial)
-        # every turn the log asked past the cut: recovered now (re-dispatched groups), when the
-        # stream reaches it (groups handed out after the checkpoint), or in deterministic mode
-        # generated again and answered from the log
-        return len(episodes.logged_steps() - set(self.recorded_steps))
+        return restore(self, snapshot)
 
     def resume(self) -> None:
-        """Loads the run dir's newest verified checkpoint, if any, and records the resume."""
-        for reason in self.run.rejected:
-            print(f"asyncrl: skipping checkpoint: {reason}")
-        if self.run.rejected:
-            fallback = (
-                self.run.latest.path if self.run.latest else "nothing (no verified checkpoint)"
-            )
-            print(f"asyncrl: falling back to {fallback}")
-        if self.run.latest is None:
-            if self.attempt:
-                print(f"asyncrl: no verified checkpoint; from step 0 (attempt {self.attempt})")
-                if (episodes := self._episodes()) is not None:  # the steps asked before the
-                    episodes.log.load(0, lambda ordinal: True)  # kill: recovered, not redone
-            return
-        start = time.perf_counter()
-        refuse_other_data(self.run, self.parts.stream, self.state_dict(), self.config)  # I8
-        snapshot = self._decode_latest(self.run.latest)
-        cursor = int(snapshot.parts["stream"]["cursor"])
-        saved_config = snapshot.config
-        plan = self.restore(snapshot)
-        del snapshot  # the restored parts own their state now: no second copy stays
-        self._record_resume(plan, cursor, saved_config, time.perf_counter() - start)
-
-    def _decode_latest(self, latest: Verified) -> Snapshot:
-        """The checkpoint's parts: the only read of its tensors (with ranks, every rank reads
-        its own rows at the same time and rank 0 only what it restores itself)."""
-        if self.group is None:
-            return decode(latest)  # the one-process call, exactly as before ranks
-        self.group.command(
-            "restore",
-            path=str(latest.path),
-            step=latest.step,
-            manifest=latest.manifest,
-            format_version=latest.format_version,
-            manifest_sha256=latest.manifest_sha256,
-        )
-        templates = restore_templates(
-            {"model": self.parts.policy.model, "algorithm": self.parts.algo}
-        )
-        return decode(latest, templates) if templates else decode(latest)
-
-    def _record_resume(
-        self, plan: ResumePlan, cursor: int, saved_config: dict[str, Any], load_s: float
-    ) -> None:
-        """The `resume` event and the one-line report of what the resume kept and redoes."""
-        for line in plan.messages:
-            print(line)
-        if SKIP_RESTORE:  # a test switch: never silent, and on the record
-            print(
-                f"asyncrl: WARNING: ASYNCRL_TEST_SKIP_RESTORE: {sorted(SKIP_RESTORE)} not restored"
-            )
-        self.logs.events.emit(
-            "resume",
-            attempt=self.attempt,
-            from_step=self.step,
-            cursor=cursor,
-            **plan_fields(plan, self.continued, episodes=bool(self.config.env.name)),
-            **({"recorded_steps": self.recorded_steps} if self.config.env.name else {}),
-            rejected_checkpoints=self.run.rejected,
-            config_changes={**benign_differences(saved_config, self.config), **self.run.notes},
-            forced_config_changes=self.run.forced_changes,
-            load_s=load_s,
-            **({"skipped_restore": sorted(SKIP_RESTORE)} if SKIP_RESTORE else {}),
-        )
-        print(resume_line(self.step, self.attempt, plan))
+        """Loads the run dir's newest verified checkpoint, if any, and records the resume
+        (`asyncrl.train.resume`)."""
+        resume(self)
 
     # --- the loop -------------------------------------------------------------------------
 
@@ -387,6 +287,7 @@ class Trainer:
         emit = self.logs.events.emit
         self.deadlines.announce(self.stop, self.step, emit)
         emit("signal", signal=stop.signal_name, step=self.step)
+        self._keep_rollouts()
         try:
             self.writer.wait()
         except CheckpointError as err:  # an earlier periodic save failed: still try this one
@@ -396,10 +297,47 @@ class Trainer:
         self.deadlines.announce(self.stop, self.step, emit)  # one that came meanwhile
         print(self.deadlines.finish(self.stop, self.step, self.abandoned_step == self.step, emit))
 
+    def _keep_rollouts(self) -> None:
+        """Where the notice's checkpoint may not be durable before its deadline, first the
+        rollouts sampled by weights the newest verified checkpoint holds, written beside it
+        (milliseconds): a kill before the checkpoint loses the training since, not them."""
+        plan = self.deadlines.plan(self.stop)
+        if not self.keeps or plan is None or plan.left_s is None or plan.fits:
+            return
+        notice = self.stop.notice
+        assert notice is not None
+        try:
+            kept = self.keeper.keep_now(
+                self.step, self.parts.ledger, self.parts.buffer, self.parts.collector.cut()
+            )
+        except OSError as err:  # the full checkpoint is still tried
+            print(f"asyncrl: {notice.source}: could not keep the rollouts: {err}")
+            return
+        if kept is None:
+            return
+        path, nbytes, account, took_s = kept
+        print(kept_line(notice.source, path, account, took_s), flush=True)
+        self.logs.events.emit(
+            "rollouts_kept",
+            source=notice.source,
+            step=account.step,
+            cut_step=account.cut_step,
+            groups=account.groups,
+            partial_groups=account.partial_groups,
+            tokens=account.tokens,
+            lost_steps=account.lost_steps,
+            lost_tokens=account.lost_tokens,
+            ordinals=account.ordinals,
+            bytes=nbytes,
+            seconds=took_s,
+            path=str(path),
+        )
+
     def _saved(self, fields: dict[str, Any]) -> None:
         """A checkpoint verified (the writer's thread): its event, and its time measured."""
         self.logs.events.emit("checkpoint", **fields)
         self.deadlines.saved(fields)
+        self.keeper.verified(int(fields["step"]))
 
     def _wait_check(self) -> None:
         self.parts.collector.check()
@@ -420,6 +358,8 @@ class Trainer:
         if self.group is not None:
             self.group.command("step", step=step)  # the algorithm sends what ranks need
         algo_metrics = self._algo_step(groups, step)
+        if self.keeps:
+            self.keeper.trained(step, groups)
         fault_point("train.optimizer_step", step=step)
         trained = time.perf_counter()
         self.logs.timeline.write(
@@ -431,7 +371,7 @@ class Trainer:
                 "attempt": self.attempt,
             }
         )
-        self._publish_weights(step + 1)
+        self.publish_weights(step + 1)
         fault_point("train.weights_published", step=step)
         record = step_record(step, self.attempt, groups, algo_metrics)
         evaluated = self._evaluate(step + 1)
@@ -533,7 +473,7 @@ class Trainer:
         if wait:
             self.writer.wait()
 
-    def _publish_weights(self, version: int) -> None:
+    def publish_weights(self, version: int) -> None:
         weights = self.parts.algo.policy_weights()  # with ranks: a gather on every rank
         if self.group is not None:
             self._published = weights
