@@ -13,8 +13,10 @@ in [3, 5] and a further random delay in [0, one step] (mid-step, mid-generation 
 mid-checkpoint-write: placed by the run's state, then by a fraction of its own step time). The
 run must exit 75 with a verified checkpoint; its `preemption_result` event gives the seconds
 from the notice to the checkpoint verified, and whether that was before the deadline.
-`--grace-s` sets the deadline (default 30: Kubernetes' default grace period). It prints a
-table, one line per mode, and last the line of full fine-tuning:
+`--grace-s` sets the deadline (default 30: Kubernetes' default grace period). Where the
+checkpoint cannot fit (`--grace-s 2` at 300M), the run first keeps the rollouts of the newest
+verified checkpoint's weights beside it (`kept_first_s`, `kept_tokens`). It prints a table,
+one line per mode, and last the line of full fine-tuning:
 
     preemption_lora: notice_to_durable_s=A,B,C deadline_s=30 met=K/3
     preemption: notice_to_durable_s=A,B,C deadline_s=30 met=K/3
@@ -57,6 +59,10 @@ class Result:
     met: bool
     abandoned: bool
     checkpoint_bytes: int
+    kept_s: float | None = None
+    """Where the checkpoint could not fit: seconds to write the kept rollouts beside the newest
+    verified checkpoint (`rollouts_kept`), before the checkpoint's own write."""
+    kept_tokens: int = 0
 
 
 def result_line(name: str, results: list[Result], deadline_s: float) -> str:
@@ -109,11 +115,13 @@ def preempt(
     (saved,) = [e for e in events if e["event"] == "checkpoint" and e["reason"] == "stop"] or [
         e for e in events if e["event"] == "checkpoint"
     ][-1:]
+    kept = [e for e in events if e["event"] == "rollouts_kept"]
     shutil.rmtree(run_dir)
     shutil.rmtree(model_dir, ignore_errors=True)
     return Result(
         label, mode, num_params, int(result["step"]), float(result["notice_to_durable_s"]),
         bool(result["met"]), bool(result.get("abandoned_step")), int(saved["bytes"]),
+        float(kept[0]["seconds"]) if kept else None, int(kept[0]["tokens"]) if kept else 0,
     )  # fmt: skip
 
 
@@ -140,6 +148,8 @@ def main() -> None:
             "step_given_up": "yes" if r.abandoned else "no",
             "notice_to_durable_s": f"{r.notice_to_durable_s:.2f}",
             "met": "yes" if r.met else "NO",
+            "kept_first_s": "-" if r.kept_s is None else f"{r.kept_s:.3f}",
+            "kept_tokens": str(r.kept_tokens),
         }
         for r in results
     ]  # fmt: skip
