@@ -274,6 +274,33 @@ def test_two_ranks_killed_and_resumed_are_bitwise_the_uninterrupted_two_rank_run
     assert fingerprint(run) == two_rank_reference
 
 
+def test_a_notice_mid_step_gives_the_step_up_on_every_rank_and_resumes_bitwise(
+    tmp_path, repo_root, two_rank_reference, monkeypatch
+):
+    """SIGTERM to rank 0 as step 7's first backward is about to run (placed by state): every
+    rank gives the step up before that pass (they agree on rank 0's notice before each
+    backward), so the checkpoint is of step 7, the state before it, not of step 8 as at the
+    next step boundary (the behaviour before); the resume is bit for bit the uninterrupted
+    two-rank run."""
+    from asyncrl.checkpoint.run_checkpoints import run_store
+
+    monkeypatch.setenv("ASYNCRL_FAULT_SIGNAL", "SIGTERM")
+    run = tmp_path / "run"
+    proc = det_launch(run, repo_root, fault="train.backward[step=7]",
+                      extra=(f"run.max_num_steps={STEPS}", TWO))  # fmt: skip
+    out, _ = proc.communicate(timeout=300)
+    assert proc.returncode == 75, out
+    wait_for_no_rank_processes(proc.pid)
+    (result,) = [e for e in read_records(run / "events.jsonl") if e["event"] == "preemption_result"]
+    assert (result["step"], result["abandoned_step"]) == (7, True)
+    latest, _ = run_store(run).latest()
+    assert latest is not None and latest.step == 7 and latest.format_version == 5  # both ranks'
+    monkeypatch.delenv("ASYNCRL_FAULT_SIGNAL")
+    short_run(run, repo_root, STEPS, TWO)
+    assert fingerprint(run) == two_rank_reference
+    assert audit(run).returncode == 0
+
+
 def test_a_two_rank_resume_that_skips_the_optimizer_is_caught(
     tmp_path, repo_root, two_rank_reference
 ):

@@ -220,8 +220,9 @@ _scope = threading.local()
 def abandonable(stop: Callable[[], bool]) -> Iterator[None]:
     """The training step inside may be given up while `stop()` says so and no optimizer step
     has been taken: each micro-batch's `backward` raises `StepAbandoned` first (an algorithm
-    needs nothing of its own for it; `apply_gradients` ends the chance). One trainer rank only:
-    with several, every rank must run the same passes."""
+    needs nothing of its own for it; `apply_gradients` ends the chance). With several trainer
+    ranks `stop` must be a collective every rank calls (`TorchRanks.agree`): every rank runs
+    the same passes, so all of them ask it before the same backward and give up together."""
     _scope.stop, _scope.committed = stop, False
     try:
         yield

@@ -60,6 +60,11 @@ class TorchRanks:
         dist.all_reduce(tensor)
         return [float(v) for v in tensor.cpu()]
 
+    def agree(self, flag: bool) -> bool:
+        """Whether any rank's `flag` is set, on every rank (a collective: every rank calls it
+        at the same place; rank 0's preemption notice, the others' False)."""
+        return self.sum([1.0 if flag else 0.0])[0] > 0
+
     def gather(self, value: Any) -> list[Any]:
         return wire.all_gather(value, self.world_size, self._comm_device)
 

@@ -50,7 +50,7 @@ from typing import Any
 
 import torch
 
-from asyncrl.algos.update import NonFiniteLoss
+from asyncrl.algos.update import NonFiniteLoss, StepAbandoned, abandonable
 from asyncrl.checkpoint.shards import write_rank_files
 from asyncrl.checkpoint.snapshot import MODEL_FILE, STATE_FILE, Stateful, decode
 from asyncrl.checkpoint.staging import Cut, StagingArea
@@ -353,10 +353,15 @@ def serve(device: torch.device) -> int:
             writer.wait()
             break
         if kind == "step":
-            try:
-                algo.step([], command["step"])  # its data comes from rank 0's algo.step
+            torch_rng = torch.get_rng_state()
+            try:  # its data comes from rank 0's algo.step; a notice there gives it up here too
+                with fault_facts(step=command["step"]), abandonable(lambda: ranks.agree(False)):
+                    algo.step([], command["step"])
             except NonFiniteLoss:
                 continue  # every rank refused the step (the norm is global): rank 0 stops
+            except StepAbandoned:  # rank 0 checkpoints the state before the step, with us
+                torch.set_rng_state(torch_rng)
+                continue
             fault_point("rank.step_done", step=command["step"])
             algo.policy_weights()  # rank 0 publishes the new version
         elif kind == "checkpoint":

@@ -392,14 +392,18 @@ class Trainer:
         return record
 
     def _algo_step(self, groups: list[Group], step: int) -> dict[str, float]:
-        """The algorithm's step; with one rank, given up at a preemption notice that comes
-        before it changed a weight: its groups go back to the buffer and the run stops at the
-        state before it, its earliest consistent point."""
-        if self.group is not None:  # every rank must run the same passes
-            return self.parts.algo.step(groups, step)
+        """The algorithm's step, given up at a preemption notice that comes before it changed
+        a weight: its groups go back to the buffer and the run stops at the state before it,
+        its earliest consistent point. With ranks, every rank gives it up at the same pass:
+        before each backward they agree on rank 0's notice (one all-reduce)."""
+        ranks = None if self.group is None else self.group.ranks
+
+        def stop() -> bool:
+            return self.stop.requested if ranks is None else ranks.agree(self.stop.requested)
+
         torch_rng = torch.get_rng_state()  # a pass's draws (dropout) are given up too
         try:
-            with fault_facts(step=step), abandonable(lambda: self.stop.requested):
+            with fault_facts(step=step), abandonable(stop):
                 return self.parts.algo.step(groups, step)
         except StepAbandoned:
             torch.set_rng_state(torch_rng)
