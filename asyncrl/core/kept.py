@@ -24,7 +24,8 @@ Pure: plain tensors, no IO; the file is `asyncrl.checkpoint.kept`'s, the trainer
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
+from typing import Any
 
 import torch
 
@@ -95,6 +96,10 @@ class KeptAccount:
     @property
     def lost_steps(self) -> int:
         return self.cut_step - self.step
+
+    def fields(self) -> dict[str, Any]:
+        """The account as the `rollouts_kept` event records it."""
+        return {**asdict(self), "lost_steps": self.lost_steps}
 
 
 def steps_lost(step: int, cut_step: int) -> str:
