@@ -231,6 +231,8 @@ def train_part(run: Path, steps: list[dict[str, Any]], lengths: list[int], floor
                 f"its groups less `skipped_ordinals` have {len(rows)} (a run from before the "
                 "record named the groups left out?)"
             )
+        if not rows:  # every group skipped (no reward variance): no product ran, none counted
+            continue
         body_rows = sum(p + c for p, c in rows)
         head_rows = sum(c for _, c in rows)
         tokens += head_rows
