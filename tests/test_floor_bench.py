@@ -94,3 +94,16 @@ def test_the_training_floor_counts_only_the_rows_trained(tmp_path):
     assert part.floor_s == pytest.approx(48 + 8 + attention)
     with pytest.raises(SystemExit, match="trained 4 rows"):
         train_part(tmp_path, [{**skipping, "trained_rows": 4.0}], lengths, floor)
+
+
+def test_a_step_whose_every_group_was_skipped_adds_nothing_to_the_training_floor(tmp_path):
+    spans = [{"kind": "generate", "ordinals": [0, 1], "token_counts": [[4, 4], [3, 5]]}]
+    (tmp_path / "timeline.jsonl").write_text("".join(json.dumps(s) + "\n" for s in spans))
+    floor = RowCountingFloor(Shapes.of(tiny()), torch.float32, repeats=1)
+    step = {"step": 0, "train_s": 1.0, "prompt_ordinals": [0, 1], "dataset_indices": [0, 1]}
+    lengths = [10, 20]
+    none = {**step, "step": 1, "train_s": 0.01, "trained_rows": 0.0, "skipped_ordinals": [0, 1]}
+    both = train_part(tmp_path, [step, none], lengths, floor)  # divided by zero before
+    alone = train_part(tmp_path, [step], lengths, floor)
+    assert (both.floor_s, both.flops, both.tokens) == (alone.floor_s, alone.flops, alone.tokens)
+    assert both.measured_s == pytest.approx(1.01)
