@@ -146,7 +146,7 @@ def test_the_file_reads_back_what_was_kept_and_the_account(tmp_path):
     assert read_kept(tmp_path, 1, "run-a") is None  # none beside another checkpoint
 
 
-@pytest.mark.parametrize("damage", ["torn", "flipped", "other_run"])
+@pytest.mark.parametrize("damage", ["torn", "flipped", "other_run", "metadata"])
 def test_a_file_that_is_not_whole_or_not_this_runs_is_refused_by_name(tmp_path, damage):
     path, _ = written(tmp_path)
     data = bytearray(path.read_bytes())
@@ -154,6 +154,10 @@ def test_a_file_that_is_not_whole_or_not_this_runs_is_refused_by_name(tmp_path, 
         path.write_bytes(bytes(data[: len(data) // 2]))
     elif damage == "flipped":
         data[-3] ^= 0xFF  # in the tensors: the checksum catches it
+        path.write_bytes(bytes(data))
+    elif damage == "metadata":  # a header that still parses, an ordinal with no tensors
+        at = data.index(b'{\\"4\\": 1}')
+        data[at + 3] = ord("5")
         path.write_bytes(bytes(data))
     run_id = "run-b" if damage == "other_run" else "run-a"
     with pytest.raises(KeptFileError, match=str(path)):

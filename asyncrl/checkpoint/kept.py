@@ -39,8 +39,14 @@ def kept_path(root: Path, step: int) -> Path:
     return root / f"kept_step_{step:06d}.safetensors"
 
 
-def _digest(tensors: dict[str, torch.Tensor]) -> str:
+_SIGNED = ("format", "run_id", "step", "targets", "account")
+"""The metadata the checksum covers, with every tensor."""
+
+
+def _digest(tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> str:
     sha = hashlib.sha256()
+    for key in _SIGNED:
+        sha.update(f"{key}={metadata.get(key)}|".encode())
     for name in sorted(tensors):
         t = tensors[name].contiguous()
         sha.update(f"{name}|{t.dtype}|{list(t.shape)}|".encode())
@@ -72,8 +78,8 @@ def write_kept(
                 "lost_tokens": account.lost_tokens,
             }
         ),
-        "sha256": _digest(tensors),
     }
+    metadata["sha256"] = _digest(tensors, metadata)
     data = save(tensors, metadata)
     path = kept_path(root, account.step)
     tmp = root / f".kept-tmp-{account.step}-{run_id}-{os.getpid()}"
@@ -112,14 +118,17 @@ def read_kept(
             f"{path}: kept for run {metadata.get('run_id')} step {metadata.get('step')}, not "
             f"this run's step {step}"
         )
-    if _digest(tensors) != metadata.get("sha256"):
-        raise KeptFileError(f"{path}: its tensors do not match its SHA-256")
-    targets = {int(k): int(t) for k, t in json.loads(metadata["targets"]).items()}
-    kept = []
-    for ordinal, target in sorted(targets.items()):
-        state = {name: tensors[f"{ordinal}.{name}"] for name in _FIELDS}
-        kept.append(KeptRollout(ordinal, target, Partial.from_state(state)))
-    return kept, json.loads(metadata["account"])
+    if _digest(tensors, metadata) != metadata.get("sha256"):
+        raise KeptFileError(f"{path}: its tensors or metadata do not match its SHA-256")
+    try:
+        targets = {int(k): int(t) for k, t in json.loads(metadata["targets"]).items()}
+        kept = []
+        for ordinal, target in sorted(targets.items()):
+            state = {name: tensors[f"{ordinal}.{name}"] for name in _FIELDS}
+            kept.append(KeptRollout(ordinal, target, Partial.from_state(state)))
+        return kept, dict(json.loads(metadata["account"]))
+    except (KeyError, ValueError, TypeError, AttributeError) as err:  # written by no asyncrl
+        raise KeptFileError(f"{path}: not a kept-rollouts file asyncrl wrote ({err!r})") from None
 
 
 def remove_stale(root: Path, newest_step: int) -> list[Path]:

@@ -116,6 +116,7 @@ class Ledger:
             self.partials = {  # episode runner starts episodes over, under new step ids
                 k: p for k, p in self.partials.items() if p.episodes is not None
             }  # (it needs their restart counts: EpisodeRunner.resume)
+            self.kept.clear()  # single-turn samples kept at a notice start over too
         if plan.policy in ("lossless", "restart_episode"):
             return
         self.redispatch.clear()

@@ -30,8 +30,9 @@ def held_by(states: dict[str, Any]) -> Held:
         int(g["ticket"]["ordinal"]): [int(n) for n in torch.as_tensor(g["completion_mask"]).sum(1)]
         for g in states["buffer"]["groups"]
     }
-    for k, p in states["ledger"].get("partial", {}).items():
-        held[int(k)] = [int(n) for n in torch.as_tensor(p["mask"]).sum(1)]
+    for key in ("partial", "kept"):  # kept: put back by a resume, not handed out yet
+        for k, p in states["ledger"].get(key, {}).items():
+            held[int(k)] = [int(n) for n in torch.as_tensor(p["mask"]).sum(1)]
     return held
 
 
@@ -75,11 +76,11 @@ class RolloutKeeper:
     ) -> tuple[Path, int, KeptAccount, float] | None:
         """Writes the rollouts sampled by weights the newest verified checkpoint holds, beside
         it; returns the file, its bytes, the account and the seconds taken (None: no verified
-        checkpoint yet, or it is of this step). `cut`: the collector's cut (a context)."""
+        checkpoint yet). `cut`: the collector's cut (a context)."""
         start = time.perf_counter()
         with self._lock:
             version = self.verified_step
-            if version is None or version >= step:
+            if version is None:
                 return None
             held = self._held.get(version, {})
             items: list[tuple[int, int, Partial]] = [
