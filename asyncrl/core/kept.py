@@ -109,6 +109,11 @@ def steps_lost(step: int, cut_step: int) -> str:
     return f"steps {step}-{cut_step - 1}"
 
 
+def new_tokens(lengths: list[int], held: list[int]) -> int:
+    """Tokens of samples of `lengths` that a checkpoint holding `held` of them lacks."""
+    return sum(max(0, a - b) for a, b in zip(lengths, held, strict=True))
+
+
 def keep(
     items: Iterable[tuple[int, int, Partial]],
     version: int,
@@ -123,7 +128,7 @@ def keep(
     for ordinal, target, partial in sorted(items, key=lambda item: item[0]):
         before = held.get(ordinal, [0] * partial.num_samples)
         prefix = up_to_version(partial, version)
-        new = sum(max(0, a - b) for a, b in zip(prefix.lengths, before, strict=True))
+        new = new_tokens(prefix.lengths, before)
         account.lost_tokens += partial.num_tokens - prefix.num_tokens
         if new == 0:
             continue  # nothing the checkpoint does not have

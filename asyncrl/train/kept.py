@@ -8,7 +8,7 @@ from __future__ import annotations
 import threading
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -19,6 +19,9 @@ from asyncrl.core.ledger import Ledger
 from asyncrl.core.partial import Partial
 from asyncrl.core.preemption import seconds
 from asyncrl.core.types import Group
+
+if TYPE_CHECKING:
+    from asyncrl.train.trainer import Trainer
 
 Held = dict[int, list[int]]
 """Ordinal -> its tokens per sample that a checkpoint holds (buffered or in flight)."""
@@ -98,6 +101,42 @@ class RolloutKeeper:
         kept, account = keep(items, version, held, step)
         path, nbytes = write_kept(self.root, self.run_id, kept, account)
         return path, nbytes, account, time.perf_counter() - start
+
+
+def keep_at_notice(trainer: Trainer) -> int | None:
+    """Where the notice's checkpoint may not be durable before its deadline (it does not
+    fit, nothing is measured, or it must first wait for a write in progress) or none will
+    be written (this step's is cut already), first the rollouts sampled by weights the
+    newest verified checkpoint holds, written beside it (milliseconds): a kill before the
+    checkpoint loses the training since, not them. Returns that checkpoint's step (None:
+    nothing written)."""
+    plan = trainer.deadlines.plan(trainer.stop)
+    if not trainer.keeps or plan is None or plan.left_s is None:
+        return None
+    if plan.fits and not trainer.writer.busy() and trainer.last_saved_step != trainer.step:
+        return None
+    notice = trainer.stop.notice
+    assert notice is not None
+    try:
+        kept = trainer.keeper.keep_now(
+            trainer.step, trainer.parts.ledger, trainer.parts.buffer, trainer.parts.collector.cut()
+        )
+    except Exception as err:  # best effort: the full checkpoint is still tried
+        print(f"asyncrl: {notice.source}: could not keep the rollouts: {err!r}")
+        return None
+    if kept is None:
+        return None
+    path, nbytes, account, took_s = kept
+    print(kept_line(notice.source, path, account, took_s), flush=True)
+    trainer.logs.events.emit(
+        "rollouts_kept",
+        source=notice.source,
+        **account.fields(),
+        bytes=nbytes,
+        seconds=took_s,
+        path=str(path),
+    )
+    return account.step
 
 
 def kept_line(source: str, path: Path, account: KeptAccount, took_s: float) -> str:

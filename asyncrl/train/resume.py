@@ -14,6 +14,7 @@ from asyncrl.checkpoint.store import Verified
 from asyncrl.config.keys import benign_differences
 from asyncrl.core.buffer import tokens_per_group
 from asyncrl.core.episodes import recorded_steps
+from asyncrl.core.kept import new_tokens
 from asyncrl.core.resume import ResumePlan, continued_samples, plan_resume
 from asyncrl.rollout.episodes import EpisodeRunner
 from asyncrl.tasks.environments import environment_class
@@ -97,7 +98,7 @@ def _put_back_kept(trainer: Trainer, plan: ResumePlan) -> dict[str, Any] | None:
     for item in applied:
         lengths = item.partial.lengths
         before = held.get(item.ordinal, [0] * len(lengths))
-        tokens += sum(max(0, a - b) for a, b in zip(lengths, before, strict=True))
+        tokens += new_tokens(lengths, before)
         trainer.continued[item.ordinal] = (lengths, [bool(f) for f in item.partial.finished])
         if item.ordinal not in plan.continued:
             plan.continued.append(item.ordinal)

@@ -53,7 +53,7 @@ from asyncrl.rollout.collector import Chunk, GenerationFailed
 from asyncrl.rollout.episodes import EpisodeRunner
 from asyncrl.rollout.evaluation import eval_line, is_eval_record
 from asyncrl.train.components import build_components
-from asyncrl.train.kept import RolloutKeeper, held_by, kept_line
+from asyncrl.train.kept import RolloutKeeper, held_by, keep_at_notice
 from asyncrl.train.preemption import Deadlines
 from asyncrl.train.ranks import (
     COLLECTIVE_DEATH_WAIT_S,
@@ -287,7 +287,7 @@ class Trainer:
         emit = self.logs.events.emit
         self.deadlines.announce(self.stop, self.step, emit)
         emit("signal", signal=stop.signal_name, step=self.step)
-        kept_beside = self._keep_rollouts()
+        kept_beside = keep_at_notice(self)
         try:
             self.writer.wait()
         except CheckpointError as err:  # an earlier periodic save failed: still try this one
@@ -295,46 +295,11 @@ class Trainer:
         if kept_beside is not None and self.keeper.verified_step != kept_beside:
             # the write in progress was verified (its retain deleted the file beside the
             # older checkpoint): keep beside the newer one
-            self._keep_rollouts()
+            keep_at_notice(self)
         if self.last_saved_step != self.step:
             self.checkpoint(wait=True, reason="stop")
         self.deadlines.announce(self.stop, self.step, emit)  # one that came meanwhile
         print(self.deadlines.finish(self.stop, self.step, self.abandoned_step == self.step, emit))
-
-    def _keep_rollouts(self) -> int | None:
-        """Where the notice's checkpoint may not be durable before its deadline (it does not
-        fit, nothing is measured, or it must first wait for a write in progress) or none will
-        be written (this step's is cut already), first the rollouts sampled by weights the
-        newest verified checkpoint holds, written beside it (milliseconds): a kill before the
-        checkpoint loses the training since, not them. Returns that checkpoint's step (None:
-        nothing written)."""
-        plan = self.deadlines.plan(self.stop)
-        if not self.keeps or plan is None or plan.left_s is None:
-            return None
-        if plan.fits and not self.writer.busy() and self.last_saved_step != self.step:
-            return None
-        notice = self.stop.notice
-        assert notice is not None
-        try:
-            kept = self.keeper.keep_now(
-                self.step, self.parts.ledger, self.parts.buffer, self.parts.collector.cut()
-            )
-        except Exception as err:  # best effort: the full checkpoint is still tried
-            print(f"asyncrl: {notice.source}: could not keep the rollouts: {err!r}")
-            return None
-        if kept is None:
-            return None
-        path, nbytes, account, took_s = kept
-        print(kept_line(notice.source, path, account, took_s), flush=True)
-        self.logs.events.emit(
-            "rollouts_kept",
-            source=notice.source,
-            **account.fields(),
-            bytes=nbytes,
-            seconds=took_s,
-            path=str(path),
-        )
-        return account.step
 
     def _saved(self, fields: dict[str, Any]) -> None:
         """A checkpoint verified (the writer's thread): its event, and its time measured."""
