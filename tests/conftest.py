@@ -1,6 +1,15 @@
+import os
 import sys
 import time
 from pathlib import Path
+
+# Before torch loads OpenMP (libgomp reads it once, at load; launches inherit it): OpenMP's
+# threads otherwise spin for a while after each parallel region, and the suite runs 2 workers
+# whose runs each keep up to 2 threads busy on 2 cores, so a spinning thread takes the core
+# another process's thread waits for. A multi-turn run killed and resumed, beside two busy
+# loops: 44-46 s of resume by default, 17-21 s with PASSIVE (alone 8.4-9.2 s against
+# 10.4-10.8 s: the product keeps libgomp's default; docs/testing.md)
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import launcher
 import pytest
