@@ -37,7 +37,7 @@ import os
 import re
 import signal
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -83,6 +83,13 @@ EPISODE_POINTS = (
 )
 """Points of multi-turn runs (`env.name`) in the trainer's process
 (tests/test_episode_crash.py)."""
+SERVER_POINTS = (
+    "server.tokens_received",  # a token of a request's stream arrived from a vLLM server
+)
+"""Points of `rollout.engine=vllm_server`, in the trainer's process, for
+`ASYNCRL_SERVER_FAULT`: where one is reached, the server the stream came from is sent
+`ASYNCRL_SERVER_FAULT_SIGNAL` (SIGKILL; SIGSTOP hangs it), not this process
+(tests/test_vllm_servers.py)."""
 FACTS: dict[str, tuple[str, ...]] = {
     **{point: CUT_FACTS for point in POINTS if point.startswith("checkpoint.")},
     "train.backward": ("step",),
@@ -90,6 +97,7 @@ FACTS: dict[str, tuple[str, ...]] = {
     "train.weights_published": ("step",),
     "rank.step_done": ("step",),
     "checkpoint.rank_file_written": ("step",),
+    "server.tokens_received": ("server", "tokens", "version"),
 }
 """The facts each point states; a point not named states none."""
 
@@ -114,32 +122,32 @@ class Stage:
 _STAGE = re.compile(r"(?P<point>[a-z_.]+)(?:\[(?P<when>[^\]]*)\])?(?::(?P<count>\d+))?")
 
 
-def parse(spec: str) -> tuple[Stage, ...]:
+def parse(spec: str, var: str = "ASYNCRL_FAULT") -> tuple[Stage, ...]:
     """The stages of an `ASYNCRL_FAULT` value (see the module docstring); () for none. Raises
-    ValueError naming the unknown point or fact, or the part that does not parse."""
+    ValueError naming the variable and the unknown point or fact, or the part that does not
+    parse."""
     stages = []
     for part in filter(None, (p.strip() for p in spec.split(">"))):
         match = _STAGE.fullmatch(part)
         if match is None:
-            raise ValueError(f"ASYNCRL_FAULT: {part!r} is not POINT[FACT,FACT=V]:N")
+            raise ValueError(f"{var}: {part!r} is not POINT[FACT,FACT=V]:N")
         point = match["point"]
-        if point not in POINTS + WORKER_POINTS + RANK_POINTS + EPISODE_POINTS:
-            known = ", ".join(POINTS + WORKER_POINTS + RANK_POINTS + EPISODE_POINTS)
-            raise ValueError(f"ASYNCRL_FAULT: unknown point {point!r}; known: {known}")
+        points = POINTS + WORKER_POINTS + RANK_POINTS + EPISODE_POINTS + SERVER_POINTS
+        if point not in points:
+            known = ", ".join(points)
+            raise ValueError(f"{var}: unknown point {point!r}; known: {known}")
         conditions = []
         for condition in filter(None, (c.strip() for c in (match["when"] or "").split(","))):
             fact, eq, value = condition.partition("=")
             if fact not in FACTS.get(point, ()):
                 known = ", ".join(FACTS.get(point, ())) or "none"
-                raise ValueError(
-                    f"ASYNCRL_FAULT: {point} knows no fact {fact!r}; it knows: {known}"
-                )
+                raise ValueError(f"{var}: {point} knows no fact {fact!r}; it knows: {known}")
             if eq and not re.fullmatch(r"-?\d+", value):
-                raise ValueError(f"ASYNCRL_FAULT: {condition!r}: the value must be an integer")
+                raise ValueError(f"{var}: {condition!r}: the value must be an integer")
             conditions.append((fact, int(value) if eq else None))
         count = int(match["count"] or 1)
         if count < 1:
-            raise ValueError(f"ASYNCRL_FAULT: {part!r}: the pass count starts at 1")
+            raise ValueError(f"{var}: {part!r}: the pass count starts at 1")
         stages.append(Stage(point, tuple(conditions), count))
     return tuple(stages)
 
@@ -174,6 +182,9 @@ def parse_signal(name: str) -> signal.Signals:
 
 
 _STAGES = parse(os.environ.get("ASYNCRL_FAULT", ""))
+_SERVER_STAGES = parse(os.environ.get("ASYNCRL_SERVER_FAULT", ""), "ASYNCRL_SERVER_FAULT")
+_SERVER_TRIGGER = Trigger(_SERVER_STAGES) if _SERVER_STAGES else None
+_SERVER_SIGNAL = parse_signal(os.environ.get("ASYNCRL_SERVER_FAULT_SIGNAL", ""))
 _SIGNAL = parse_signal(os.environ.get("ASYNCRL_FAULT_SIGNAL", ""))
 _TRIGGER = Trigger(_STAGES) if _STAGES else None
 _THEN = parse(os.environ.get("ASYNCRL_FAULT_THEN", ""))
@@ -207,6 +218,17 @@ def fault_point(name: str, **facts: int) -> None:
         os.kill(os.getpid(), _SIGNAL)
     elif then:
         os.kill(os.getpid(), signal.SIGKILL)
+
+
+def server_fault_point(name: str, send: Callable[[signal.Signals], None], **facts: int) -> None:
+    """A point of a vLLM server's work: where `ASYNCRL_SERVER_FAULT` is reached, `send` gets
+    `ASYNCRL_SERVER_FAULT_SIGNAL` (it signals that server's processes), once."""
+    if _SERVER_TRIGGER is None:
+        return
+    with _lock:
+        reached = _SERVER_TRIGGER.passed(name, facts)
+    if reached:
+        send(_SERVER_SIGNAL)
 
 
 def cut_facts(states: dict[str, Any]) -> dict[str, int]:

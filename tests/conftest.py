@@ -36,6 +36,7 @@ SLOWEST_FILES = (
     "test_data_parallel_runs.py",
     "test_ray.py",
     "test_vllm_runs.py",
+    "test_vllm_servers.py",
     "test_crash.py",
     "test_ray_drain.py",
     "test_partial_crash.py",

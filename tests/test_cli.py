@@ -42,6 +42,8 @@ FROZEN_CONFIG_KEYS = [
     "rollout.vllm.max_model_len", "rollout.vllm.max_num_seqs", "rollout.vllm.enforce_eager",
     "rollout.vllm.enable_prefix_caching", "rollout.vllm.multiprocessing",
     "rollout.vllm.lora_requests",
+    "rollout.servers.launch", "rollout.servers.urls", "rollout.servers.max_restarts",
+    "rollout.servers.health_timeout_s", "rollout.servers.start_timeout_s",
     "train.device", "train.dtype", "train.micro_batch_size", "train.shared_prompts",
     "train.num_processes", "train.rank_timeout_s",
     "algo.name", "algo.lr", "algo.lr_schedule", "algo.warmup_steps", "algo.weight_decay",

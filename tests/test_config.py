@@ -7,6 +7,7 @@ import pytest
 from asyncrl.config import (
     Config,
     ConfigError,
+    ServersConfig,
     VLLMConfig,
     algorithm_names,
     options_class,
@@ -117,6 +118,7 @@ def test_errors_in_a_file_name_the_file(tmp_path):
 def test_every_config_field_has_a_docstring():
     classes = {**SECTIONS, **{f"algo.name={n}": options_class(n) for n in algorithm_names()}}
     classes["rollout.vllm"] = VLLMConfig
+    classes["rollout.servers"] = ServersConfig
     for name, cls in classes.items():
         docs = field_docs(cls)
         missing = [

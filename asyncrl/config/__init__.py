@@ -20,6 +20,7 @@ from asyncrl.config.base import (
     ConfigError,
 )
 from asyncrl.config.data import BUILTIN_ENVIRONMENTS, DataConfig, EnvConfig, EvalConfig
+from asyncrl.config.engines import ServersConfig, VLLMConfig
 from asyncrl.config.model import LoraConfig, ModelConfig
 from asyncrl.config.sections import (
     AlgoConfig,
@@ -30,7 +31,6 @@ from asyncrl.config.sections import (
     RolloutConfig,
     RunConfig,
     TrainConfig,
-    VLLMConfig,
     buffer_capacity,
 )
 
@@ -53,6 +53,7 @@ __all__ = [
     "RayConfig",
     "RolloutConfig",
     "RunConfig",
+    "ServersConfig",
     "TrainConfig",
     "VLLMConfig",
     "algorithm_names",

@@ -22,6 +22,7 @@ from asyncrl.config.base import (
 )
 from asyncrl.config.base import require as _require
 from asyncrl.config.data import DataConfig, EnvConfig, EvalConfig
+from asyncrl.config.engines import ServersConfig, VLLMConfig
 from asyncrl.config.model import ModelConfig
 
 
@@ -52,50 +53,6 @@ class RunConfig:
 def buffer_capacity(num_prompts_per_step: int, max_trajectory_age_steps: int) -> int:
     """(A+1)*N: with the window checked at admission, no more groups are ever buffered."""
     return (max_trajectory_age_steps + 1) * num_prompts_per_step
-
-
-@dataclass
-class VLLMConfig:
-    """`rollout.vllm.*`: the vLLM engine's settings (used only with `rollout.engine=vllm`, which
-    deterministic mode refuses: so they may change on any resume)."""
-
-    kv_cache_bytes: int = field(default=256 << 20, metadata=MAY_CHANGE)
-    """Bytes of KV cache vLLM allocates (`kv_cache_memory_bytes`). The CPU build needs it set;
-    0 on a GPU sizes it from `gpu_memory_utilization` instead."""
-    gpu_memory_utilization: float = field(default=0.5, metadata=MAY_CHANGE)
-    """With `kv_cache_bytes=0` on a GPU: the share of GPU memory vLLM may take (weights, cache
-    and activations); the trainer needs the rest when it shares the GPU."""
-    max_model_len: int = field(default=0, metadata=MAY_CHANGE)
-    """Longest prompt + completion vLLM schedules; 0 takes the model's
-    `max_position_embeddings` (lower it when the KV cache cannot hold one such sequence)."""
-    max_num_seqs: int = field(default=256, metadata=MAY_CHANGE)
-    """Sequences vLLM decodes together at most (its batch)."""
-    enforce_eager: bool = field(default=True, metadata=MAY_CHANGE)
-    """No CUDA graphs or `torch.compile`: start-up in seconds. On GPUs `false` decodes faster
-    after a longer start."""
-    enable_prefix_caching: bool = field(default=True, metadata=MAY_CHANGE)
-    """Reuse the KV cache of prompts seen before (reset at every weights update)."""
-    multiprocessing: bool = field(default=False, metadata=MAY_CHANGE)
-    """Run vLLM's engine core in a process of its own (vLLM's default; ~15 s start-up on CPU;
-    each weights update then goes through a safetensors file) instead of in the generation
-    thread (~5 s; as TRL's colocated mode)."""
-    lora_requests: bool = field(default=False, metadata=MAY_CHANGE)
-    """A LoRA run (`model.lora.rank` > 0) in this process: vLLM loads the frozen base once and
-    serves each weights version's adapters as a LoRA request of its own (`enable_lora`; the
-    adapters written to a directory per version, megabytes), instead of reloading the merged
-    weights of every version (`false`). May not change on a LoRA run's resume. Measured in
-    `benchmarks/vllm_lora.py` (docs/lora.md#vllm)."""
-
-    def validate(self) -> None:
-        for key in ("kv_cache_bytes", "max_model_len"):
-            _require(getattr(self, key) >= 0, f"rollout.vllm.{key}", getattr(self, key), ">= 0")
-        _require(self.max_num_seqs >= 1, "rollout.vllm.max_num_seqs", self.max_num_seqs, ">= 1")
-        _require(
-            0 < self.gpu_memory_utilization <= 1,
-            "rollout.vllm.gpu_memory_utilization",
-            self.gpu_memory_utilization,
-            "in (0, 1]",
-        )
 
 
 @dataclass
@@ -137,10 +94,12 @@ class RolloutConfig:
     not keep generating on old ones; a group's tokens may then come from several versions
     (each token's own behaviour log-prob and version travel with it; the oldest token stays
     within A). Off: a sample keeps the version its batch started with."""
-    engine: Literal["torch", "vllm"] = "torch"
+    engine: Literal["torch", "vllm", "vllm_server"] = "torch"
     """Which engine generates: `torch` is asyncrl's own batched sampler with a KV cache over the
     Hugging Face model (pinned weights versions and per-request noise: deterministic mode works
-    with it); `vllm` is vLLM (`rollout.vllm.*`; not in deterministic mode)."""
+    with it); `vllm` is vLLM in this process (`rollout.vllm.*`; not in deterministic mode);
+    `vllm_server` is vLLM's OpenAI-compatible servers, launched or attached
+    (`rollout.servers.*`, docs/servers.md)."""
     backend: Literal["threads", "ray"] = field(
         default="threads", metadata=MAY_CHANGE_UNLESS_DETERMINISTIC
     )
@@ -154,7 +113,9 @@ class RolloutConfig:
     """The engine's weights and compute: the trainer's fp32 weights are cast to it when they
     are published (the engine then holds them in this dtype only)."""
     vllm: VLLMConfig = field(default_factory=VLLMConfig)
-    """The vLLM engine's settings, `rollout.vllm.*`."""
+    """The vLLM engine's settings, `rollout.vllm.*` (also the launched servers')."""
+    servers: ServersConfig = field(default_factory=ServersConfig)
+    """The servers of `rollout.engine=vllm_server`, `rollout.servers.*`."""
 
     @property
     def buffer_capacity(self) -> int:
@@ -200,7 +161,22 @@ class RolloutConfig:
         )
         _check_device("rollout.device", self.device)
         self.vllm.validate()
-        if self.engine == "vllm" and self.device == "cpu":
+        self.servers.validate()
+        if self.engine == "vllm_server":
+            _require(
+                (self.servers.launch > 0) != bool(self.servers.urls),
+                "rollout.servers.launch",
+                self.servers.launch,
+                "> 0 with no rollout.servers.urls, or 0 with rollout.servers.urls set "
+                "(rollout.engine=vllm_server generates on servers launched or attached)",
+            )
+            _require(
+                self.backend == "threads",
+                "rollout.backend",
+                self.backend,
+                "threads with rollout.engine=vllm_server (the servers are the workers)",
+            )
+        if self.engine in ("vllm", "vllm_server") and self.device == "cpu":
             _require(
                 self.vllm.kv_cache_bytes > 0,
                 "rollout.vllm.kv_cache_bytes",

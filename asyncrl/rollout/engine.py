@@ -141,6 +141,7 @@ class GenerationEngine(Protocol):
 ENGINES: dict[str, str] = {
     "torch": "asyncrl.rollout.torch_engine:TorchGenerationEngine",
     "vllm": "asyncrl.rollout.vllm_engine:VLLMGenerationEngine",
+    "vllm_server": "asyncrl.rollout.vllm_server:VLLMServerEngine",
 }
 """`rollout.engine` -> `module:Class`; each class is built as `Class(spec, weights)`."""
 
@@ -161,6 +162,8 @@ def engine_options(config: Config) -> dict[str, Any]:
     """`EngineSpec.options` for the engine `rollout.engine` names."""
     if config.rollout.engine == "vllm":
         return asdict(config.rollout.vllm)
+    if config.rollout.engine == "vllm_server":  # and the run dir (`_engine_spec`)
+        return {"vllm": asdict(config.rollout.vllm), "servers": asdict(config.rollout.servers)}
     return {}
 
 

@@ -44,7 +44,6 @@ from typing import Any, ClassVar
 import numpy as np
 import torch
 
-from asyncrl.core.seeds import continued_seed
 from asyncrl.faults import fault_point
 from asyncrl.models.lora import (
     base_module,
@@ -58,6 +57,7 @@ from asyncrl.rollout.engine import (
     GenerationOutput,
     GenerationRequest,
 )
+from asyncrl.rollout.jobs import Piece, assemble_output, plan_jobs, sample_ended
 from asyncrl.rollout.weight_sync import WeightSource, weights_to_load
 
 _INIT_LOCK = threading.Lock()
@@ -180,56 +180,32 @@ class VLLMGenerationEngine:
         from vllm.inputs import TokensPrompt
 
         version = self._load(version)
-        prompts: list[Any] = []
-        params: list[Any] = []
-        where: list[tuple[int, list[int]]] = []  # request -> its samples, per vLLM request
-        done_before: list[list[bool]] = []
-        for index, request in enumerate(requests):
-            g = request.num_samples
-            prefixes = request.prefixes or tuple(() for _ in range(g))
-            done = request.done_before(self.max_new_tokens)
-            done_before.append(done)
-            if not request.prefixes:
-                budget = min(max_tokens or self.max_new_tokens, self.max_new_tokens)
-                prompts.append(TokensPrompt(prompt_token_ids=list(request.prompt_ids)))
-                params.append(self._params(g, request.noise_seed, budget))
-                where.append((index, list(range(g))))
-                continue
-            for i in range(g):
-                if done[i]:
-                    continue
-                room = self.max_new_tokens - len(prefixes[i])
-                budget = min(max_tokens or room, room)
-                ids = list(request.prompt_ids) + list(prefixes[i])
-                prompts.append(TokensPrompt(prompt_token_ids=ids))
-                seed = continued_seed(request.noise_seed, i, len(prefixes[i]))
-                params.append(self._params(1, seed, budget))
-                where.append((index, [i]))
+        jobs, done_before = plan_jobs(requests, self.max_new_tokens, max_tokens)
+        prompts: list[Any] = [TokensPrompt(prompt_token_ids=job.prompt) for job in jobs]
+        params = [self._params(job.n, job.seed, job.max_tokens) for job in jobs]
         lora = self._lora.request(version) if self._lora is not None else None
         results = (
             self.llm.generate(prompts, params, use_tqdm=False, lora_request=lora) if prompts else []
         )
         fault_point("engine.decode_step")
-        per_request: list[dict[int, tuple[list[int], list[float], bool]]] = [{} for _ in requests]
-        for (index, samples), result in zip(where, results, strict=True):
-            for sample, completion in zip(samples, result.outputs, strict=True):
+        per_request: list[dict[int, Piece]] = [{} for _ in requests]
+        for job, result in zip(jobs, results, strict=True):
+            for sample, completion in zip(job.samples, result.outputs, strict=True):
                 ids = list(completion.token_ids)
                 logprobs = [
                     float(step[token].logprob)
                     for step, token in zip(completion.logprobs, ids, strict=True)
                 ]
-                request = requests[index]
-                so_far = len(request.prefixes[sample]) if request.prefixes else 0
                 eos = bool(ids and ids[-1] == self.eos_id)
                 if completion.finish_reason == "stop" and not eos:
                     raise RuntimeError(
                         f"vLLM stopped a sample on token {ids[-1:]} (finish_reason=stop), not on "
                         f"eos {self.eos_id}: its stop tokens are not asyncrl's"
                     )
-                ended = eos or so_far + len(ids) >= self.max_new_tokens
-                per_request[index][sample] = (ids, logprobs, ended)
+                ended = sample_ended(ids, len(job.prefix), self.eos_id, self.max_new_tokens)
+                per_request[job.request][sample] = (ids, logprobs, ended)
         return [
-            self._output(request, per_request[i], done_before[i], version)
+            assemble_output(request, per_request[i], done_before[i], version, self.pad_id)
             for i, request in enumerate(requests)
         ]
 
@@ -246,26 +222,6 @@ class VLLMGenerationEngine:
             ignore_eos=False,
             detokenize=False,
         )
-
-    def _output(
-        self,
-        request: GenerationRequest,
-        samples: dict[int, tuple[list[int], list[float], bool]],
-        done_before: list[bool],
-        version: int,
-    ) -> GenerationOutput:
-        g = request.num_samples
-        width = max((len(ids) for ids, _, _ in samples.values()), default=0)
-        tokens = torch.full((g, width), self.pad_id, dtype=torch.long)
-        mask = torch.zeros((g, width), dtype=torch.bool)
-        logprobs = torch.zeros((g, width), dtype=torch.float32)
-        finished = torch.tensor(done_before, dtype=torch.bool)
-        for i, (ids, lps, ended) in samples.items():
-            tokens[i, : len(ids)] = torch.tensor(ids, dtype=torch.long)
-            mask[i, : len(ids)] = True
-            logprobs[i, : len(ids)] = torch.tensor(lps, dtype=torch.float32)
-            finished[i] = ended
-        return GenerationOutput(tokens, mask, logprobs, version, finished)
 
 
 VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)

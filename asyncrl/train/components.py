@@ -164,7 +164,8 @@ def build_components(
     local = scratch_dir if rollout.backend == "threads" else ""  # a Ray worker's is its node's
     episodes = _episode_runner(config, task, policy, run_dir)
     # an episode's assistant turn ends where its chat template ends one (`<|im_end|>`)
-    spec = _engine_spec(config, policy, local, episodes.eos_id if episodes else policy.eos_id)
+    eos_id = episodes.eos_id if episodes else policy.eos_id
+    spec = _engine_spec(config, policy, local, eos_id, run_dir)
     buffer, weights, engine = _generation_backend(config, spec, shutdown)
     pool = task_reward_pool(task, rollout)
     shutdown.append(pool.close)
@@ -242,8 +243,13 @@ def _episode_runner(
     )
 
 
-def _engine_spec(config: Config, policy: Policy, scratch_dir: str, eos_id: int) -> EngineSpec:
+def _engine_spec(
+    config: Config, policy: Policy, scratch_dir: str, eos_id: int, run_dir: str = ""
+) -> EngineSpec:
     rollout = config.rollout
+    options = engine_options(config)
+    if rollout.engine == "vllm_server":  # its servers' logs and records: RUN_DIR/servers/
+        options["run_dir"] = run_dir
     return EngineSpec(
         policy.model,
         eos_id,
@@ -253,7 +259,7 @@ def _engine_spec(config: Config, policy: Policy, scratch_dir: str, eos_id: int) 
         rollout.device,
         rollout.dtype,
         keep_cache_between_chunks=not config.run.deterministic,
-        options=engine_options(config),
+        options=options,
         scratch_dir=scratch_dir,
     )
 
@@ -268,7 +274,11 @@ def _generation_backend(
         return _ray_backend(config, spec, shutdown)
     buffer = ReplayBuffer(rollout.num_prompts_per_step, rollout.buffer_capacity)
     weights = CopyWeightSync(config.kept_weight_versions, rollout.device, DTYPES[rollout.dtype])
-    return buffer, weights, build_engine(rollout.engine, spec, weights)
+    engine = build_engine(rollout.engine, spec, weights)
+    stop_engine = getattr(engine, "shutdown", None)  # what an engine started (vLLM servers)
+    if stop_engine is not None:
+        shutdown.insert(0, stop_engine)
+    return buffer, weights, engine
 
 
 def _ray_backend(

@@ -1,0 +1,264 @@
+"""vLLM's OpenAI-compatible servers as processes and as HTTP endpoints: launching them
+(`rollout.servers.launch`), attaching to them (`rollout.servers.urls`), their health, vLLM's RL
+control plane (pause, reload, weight version, resume) and stopping what a run launched, also
+what a SIGKILLed launch left (`stop_stale`, under the run dir's lock).
+
+    launched: python -m vllm.entrypoints.openai.api_server --model DIR --port P ...
+              (VLLM_SERVER_DEV_MODE=1: vLLM's RL routes), its own process group, its log in
+              RUN_DIR/servers/server_N.log, its pid and group in RUN_DIR/servers/launched.json
+
+The engine that sends them requests is `asyncrl/rollout/vllm_server.py`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+SERVERS_DIR = "servers"
+"""`RUN_DIR/servers/`: the launched servers' logs and `launched.json`."""
+RECORD = "launched.json"
+SERVED_NAME = "asyncrl"
+"""The model name launched servers answer to (`--served-model-name`)."""
+MARK = "vllm.entrypoints.openai.api_server"
+"""What a launched server's command line holds (a stale record's pid is checked for it)."""
+
+
+class ServerError(RuntimeError):
+    """A server that cannot be started, reached or used; the message names it (and its log)."""
+
+
+@dataclass
+class Server:
+    """One server: its URL, and for a launched one its process and log."""
+
+    index: int
+    url: str
+    process: subprocess.Popen[bytes] | None = None
+    log: Path | None = None
+    model: str = SERVED_NAME
+    version: int | None = None
+    """The weights version loaded (None: not ours yet, or unknown)."""
+    alive: bool = True
+    restarts: int = 0
+    client: httpx.Client = field(default_factory=lambda: httpx.Client(timeout=600.0))
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    """Held while its weights change."""
+
+    @property
+    def launched(self) -> bool:
+        return self.process is not None
+
+    def name(self) -> str:
+        where = f", log {self.log}" if self.log else ""
+        return f"server {self.index} ({self.url}{where})"
+
+    def post(self, route: str, body: dict[str, Any] | None = None, **params: Any) -> Any:
+        """POSTs to one of vLLM's routes; ServerError naming the server and route on failure."""
+        try:
+            reply = self.client.post(self.url + route, json=body, params=params or None)
+        except httpx.HTTPError as err:
+            raise ServerError(f"{self.name()}: POST {route} failed: {err!r}") from err
+        if reply.status_code == 404:
+            raise ServerError(
+                f"{self.name()}: POST {route} is not served: start vLLM with "
+                "VLLM_SERVER_DEV_MODE=1 (its RL routes: pause, resume, weight versions)"
+            )
+        if reply.status_code >= 400:
+            raise ServerError(f"{self.name()}: POST {route}: {reply.status_code} {reply.text}")
+        return reply.json() if reply.content else None
+
+    def healthy(self, timeout: float) -> bool:
+        try:
+            return self.client.get(self.url + "/health", timeout=timeout).status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    def signal(self, sig: signal.Signals) -> None:
+        """Sends `sig` to a launched server's whole process group (its engine and worker)."""
+        if self.process is not None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.process.pid, sig)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port: int = s.getsockname()[1]
+        return port
+
+
+def server_command(model_dir: str, port: int, dtype: str, vllm: dict[str, Any]) -> list[str]:
+    """The launch command of one server on `model_dir` (token ids in and out: no tokenizer),
+    with `rollout.vllm.*`."""
+    command = [
+        sys.executable, "-m", MARK, "--model", model_dir, "--served-model-name", SERVED_NAME,
+        "--host", "127.0.0.1", "--port", str(port), "--dtype", dtype, "--seed", "0",
+        "--skip-tokenizer-init", "--return-tokens-as-token-ids",
+        "--logprobs-mode", "processed_logprobs",
+        "--max-num-seqs", str(int(vllm.get("max_num_seqs", 256))),
+        "--disable-uvicorn-access-log",
+    ]  # fmt: skip
+    if vllm.get("enforce_eager", True):
+        command.append("--enforce-eager")
+    command.append(
+        "--enable-prefix-caching"
+        if vllm.get("enable_prefix_caching", True)
+        else "--no-enable-prefix-caching"
+    )
+    if vllm.get("kv_cache_bytes"):
+        command += ["--kv-cache-memory-bytes", str(int(vllm["kv_cache_bytes"]))]
+    if vllm.get("max_model_len"):
+        command += ["--max-model-len", str(int(vllm["max_model_len"]))]
+    return command
+
+
+def server_env() -> dict[str, str]:
+    env = {**os.environ, "VLLM_SERVER_DEV_MODE": "1"}
+    env.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")  # the trainer shares the cores
+    env.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+    # the engine core in the server's process, not one more spawned (start-up 16.5 s against
+    # 22.5 s here, the tiny model on 2 cores)
+    env.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    env.pop("ASYNCRL_FAULT", None)  # the trainer's faults are not the server's
+    return env
+
+
+def launch(server: Server, model_dir: str, dtype: str, vllm: dict[str, Any]) -> None:
+    """Starts (or restarts) a launched server at a free port, in a process group of its own."""
+    port = free_port()
+    server.url = f"http://127.0.0.1:{port}"
+    assert server.log is not None
+    with open(server.log, "ab") as log:
+        log.write(f"\n--- asyncrl: starting on port {port} ---\n".encode())
+        log.flush()
+        server.process = subprocess.Popen(
+            server_command(model_dir, port, dtype, vllm),
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            env=server_env(),
+            start_new_session=True,  # its own group: stopped whole, apart from the trainer's
+        )
+    server.version = None
+    server.alive = True
+
+
+def wait_healthy(servers: list[Server], timeout: float) -> float:
+    """Waits until every server answers `/health`; the seconds waited. ServerError naming the
+    first that exited (its log's last lines) or that did not answer within `timeout`."""
+    started = time.monotonic()
+    waiting = list(servers)
+    while waiting:
+        for server in list(waiting):
+            if server.process is not None and server.process.poll() is not None:
+                raise ServerError(
+                    f"{server.name()} exited with {server.process.returncode} while starting:\n"
+                    + log_tail(server.log)
+                )
+            if server.healthy(timeout=2.0):
+                waiting.remove(server)
+        if waiting and time.monotonic() - started > timeout:
+            names = ", ".join(s.name() for s in waiting)
+            raise ServerError(
+                f"{names}: no answer on /health after {timeout:.0f} s "
+                "(rollout.servers.start_timeout_s)"
+            )
+        if waiting:
+            time.sleep(0.5)
+    return time.monotonic() - started
+
+
+def log_tail(log: Path | None, lines: int = 15) -> str:
+    if log is None or not log.exists():
+        return ""
+    return "\n".join(log.read_text(errors="replace").splitlines()[-lines:])
+
+
+def write_record(directory: Path, servers: list[Server]) -> None:
+    """`launched.json`: each launched server's pid (its process group) and port, so the next
+    launch stops what a SIGKILLed one left."""
+    rows = [
+        {"index": s.index, "pid": s.process.pid, "url": s.url}
+        for s in servers
+        if s.process is not None
+    ]
+    tmp = directory / (RECORD + ".tmp")
+    tmp.write_text(json.dumps(rows))
+    os.replace(tmp, directory / RECORD)
+
+
+def _group_members(pgid: int) -> list[int]:
+    members = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[2]) == pgid:  # after the state: ppid, pgrp
+            members.append(int(entry.name))
+    return members
+
+
+def _is_ours(pid: int) -> bool:
+    """A process of a launched server: vLLM's server, or a process vLLM spawned for it."""
+    try:
+        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+    except OSError:
+        return False
+    return MARK in cmdline or "multiprocessing" in cmdline or "vllm" in cmdline
+
+
+def stop_stale(directory: Path) -> list[int]:
+    """Stops the process groups a killed launch's servers left running (their pids in
+    `launched.json`, each checked to be a vLLM server's still); the groups stopped."""
+    record = directory / RECORD
+    if not record.exists():
+        return []
+    try:
+        rows = json.loads(record.read_text())
+    except ValueError:
+        rows = []
+    stopped = []
+    for row in rows:
+        pgid = int(row["pid"])
+        members = [pid for pid in _group_members(pgid) if _is_ours(pid)]
+        if members:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(pgid, signal.SIGKILL)
+            stopped.append(pgid)
+    record.unlink()
+    return stopped
+
+
+def stop(servers: list[Server], grace: float = 10.0) -> None:
+    """Stops the launched servers (SIGTERM to each group, SIGKILL past `grace`); attached
+    servers are left alone."""
+    launched = [s for s in servers if s.process is not None and s.process.poll() is None]
+    for server in launched:
+        server.signal(signal.SIGCONT)  # a stopped (SIGSTOP) one could not exit
+        server.signal(signal.SIGTERM)
+    deadline = time.monotonic() + grace
+    for server in launched:
+        assert server.process is not None
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            server.process.wait(max(0.1, deadline - time.monotonic()))
+        server.signal(signal.SIGKILL)  # what is left of its group (its engine, its worker)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            server.process.wait(5)
+    for server in servers:
+        server.client.close()

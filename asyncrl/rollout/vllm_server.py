@@ -1,0 +1,439 @@
+"""vLLM's OpenAI-compatible servers as a generation engine (`rollout.engine=vllm_server`):
+servers asyncrl launches (`rollout.servers.launch`) or servers you run (`rollout.servers.urls`).
+
+    requests ─▶ jobs (jobs.py) ─▶ POST /v1/completions, streamed: prompt token ids, n, seed,
+               logprobs=0, return_token_ids ─▶ tokens and log-probs as they arrive
+    weights version v ─▶ per server: /pause?mode=keep, /collective_rpc reload_weights (a
+               safetensors file under the run dir), /update_weight_version v, /resume
+
+Each batch's jobs are spread over the live servers, least loaded first, all in flight at once
+(each server batches its own). Every token of a stream is kept as it arrives: a server that
+dies mid-stream (the connection drops, or nothing arrives and `/health` does not answer for
+`rollout.servers.health_timeout_s`) hands its jobs on from their last received token
+(`jobs.continue_job`: the same prefix and seeding rule as a partial generation's), to another
+server or to its own restart; no token that arrived is asked for again. A launched server that
+died is restarted (`rollout.servers.max_restarts`); before it serves, it loads the batch's
+weights version.
+
+Weights: each server holds one version. A batch that asks for another one gets it on every
+server it uses first. A server that was attached (or restarted) holds no version of ours until
+it is loaded: the first batch after a (re)launch of the trainer therefore loads the
+checkpoint's weights into every server before it sends a request, and requests a killed
+trainer left running on an attached server are aborted at attach.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import tempfile
+import threading
+import time
+import weakref
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
+from pathlib import Path
+from typing import Any, ClassVar
+
+import httpx
+
+from asyncrl.config import ConfigError
+from asyncrl.faults import fault_point, server_fault_point
+from asyncrl.models.lora import base_module, plain_state_dict
+from asyncrl.rollout.engine import (
+    EngineCapabilities,
+    EngineSpec,
+    GenerationOutput,
+    GenerationRequest,
+)
+from asyncrl.rollout.jobs import (
+    Job,
+    Piece,
+    assemble_output,
+    continue_job,
+    merge_pieces,
+    plan_jobs,
+    sample_ended,
+)
+from asyncrl.rollout.servers import (
+    SERVERS_DIR,
+    Server,
+    ServerError,
+    launch,
+    log_tail,
+    stop,
+    stop_stale,
+    wait_healthy,
+    write_record,
+)
+from asyncrl.rollout.weight_sync import WeightSource, weights_to_load
+
+
+class ProtocolError(RuntimeError):
+    """A server answered against asyncrl's contract (a stop token not ours): not retried."""
+
+
+class StreamBroken(Exception):
+    """A job's stream stopped before its end; `received` holds what arrived."""
+
+    def __init__(self, received: dict[int, Piece], cause: BaseException) -> None:
+        super().__init__(repr(cause))
+        self.received = received
+        self.cause = cause
+
+
+class VLLMServerEngine:
+    """Generation on vLLM servers (see the module docstring)."""
+
+    capabilities: ClassVar[EngineCapabilities] = EngineCapabilities(
+        pinned_versions=True,
+        batch_invariant_noise=False,
+        per_request_seeds=True,
+        continue_from_prefix=True,
+    )
+    missing_reasons: ClassVar[dict[str, str]] = {
+        "batch_invariant_noise": (
+            "vLLM's batched kernels and scheduler change a request's logits with the batch it "
+            "lands in, so a resumed run cannot be bitwise the uninterrupted one"
+        ),
+        "turn_limits": "multi-turn episodes run on the torch engine for now",
+    }
+
+    def __init__(self, spec: EngineSpec, weights: WeightSource) -> None:
+        options = dict(spec.options)
+        self.vllm: dict[str, Any] = dict(options.get("vllm", {}))
+        self.settings: dict[str, Any] = dict(options.get("servers", {}))
+        self.eos_id = spec.eos_id
+        self.pad_id = spec.pad_id
+        self.max_new_tokens = spec.max_new_tokens
+        self.temperature = spec.temperature
+        self.dtype = spec.dtype
+        self.weights = weights
+        self.health_timeout = float(self.settings.get("health_timeout_s", 30.0))
+        self._lock = threading.Lock()
+        self._counters = {
+            "engine_weight_updates": 0.0,
+            "engine_weight_update_s": 0.0,
+            "engine_start_s": 0.0,
+            "server_pause_s": 0.0,
+            "server_failovers": 0.0,
+            "server_restarts": 0.0,
+            "server_tokens_kept": 0.0,
+            "server_tokens_received": 0.0,
+        }
+        started = time.perf_counter()
+        run_dir = Path(options.get("run_dir") or tempfile.mkdtemp(prefix="asyncrl-servers-"))
+        self.directory = run_dir / SERVERS_DIR
+        self.directory.mkdir(parents=True, exist_ok=True)
+        stopped = stop_stale(self.directory)  # what a SIGKILLed launch left (run dir locked)
+        if stopped:
+            print(f"asyncrl: stopped {len(stopped)} vLLM server(s) a killed launch left running")
+        scratch = spec.scratch_dir or None
+        if scratch:
+            os.makedirs(scratch, exist_ok=True)
+        self._dir = tempfile.mkdtemp(prefix="asyncrl-vllm-server-", dir=scratch)
+        weakref.finalize(self, shutil.rmtree, self._dir, ignore_errors=True)
+        self._reload_dir = os.path.join(self._dir, "reload")
+        self._file_version: int | None = None
+        self._restarts: list[threading.Thread] = []
+        self._restart_error: BaseException | None = None
+        self.servers: list[Server] = []
+        urls = list(self.settings.get("urls") or [])
+        try:
+            if urls:
+                self._attach(urls)
+            else:
+                self._launch(spec, int(self.settings.get("launch", 1)))
+        except BaseException:
+            self.shutdown()
+            raise
+        self._counters["engine_start_s"] = time.perf_counter() - started
+
+    # -- servers ------------------------------------------------------------------------------
+
+    def _write_model(self, spec: EngineSpec) -> None:
+        """The model's files for launched servers (and the reload folder's config)."""
+        plain: Any = base_module(spec.model)
+        plain.save_pretrained(
+            self._dir, state_dict=plain_state_dict(spec.model), safe_serialization=True
+        )
+        # asyncrl's samples end at `eos_id` only, whatever the model's generation config lists
+        generation = {"eos_token_id": spec.eos_id, "pad_token_id": spec.pad_id}
+        with open(os.path.join(self._dir, "generation_config.json"), "w") as f:
+            json.dump(generation, f)
+        os.makedirs(self._reload_dir, exist_ok=True)
+        shutil.copy(os.path.join(self._dir, "config.json"), self._reload_dir)
+
+    def _launch(self, spec: EngineSpec, count: int) -> None:
+        self._write_model(spec)
+        for index in range(count):
+            server = Server(index, "", log=self.directory / f"server_{index}.log")
+            launch(server, self._dir, self.dtype, self.vllm)
+            self.servers.append(server)
+        write_record(self.directory, self.servers)
+        waited = wait_healthy(self.servers, float(self.settings.get("start_timeout_s", 600)))
+        print(
+            f"asyncrl: {count} vLLM server(s) up in {waited:.1f} s: "
+            + ", ".join(s.url for s in self.servers)
+            + f" (logs in {self.directory})"
+        )
+
+    def _attach(self, urls: list[str]) -> None:
+        os.makedirs(self._reload_dir, exist_ok=True)
+        for index, url in enumerate(urls):
+            server = Server(index, url.rstrip("/").removesuffix("/v1"))
+            if not server.healthy(timeout=self.health_timeout):
+                raise ConfigError(
+                    f"rollout.servers.urls: {server.url} does not answer /health (is the "
+                    "server running, and the URL and port right?)"
+                )
+            models = server.client.get(server.url + "/v1/models", timeout=30).json()
+            server.model = models["data"][0]["id"]
+            # a trainer killed mid-request left its requests running: they go first
+            server.post("/abort_requests", {"request_ids": []})
+            self.servers.append(server)
+        print(f"asyncrl: attached to {len(urls)} vLLM server(s): " + ", ".join(urls))
+
+    def _restart(self, server: Server) -> None:
+        """Kills what is left of a launched server and starts it again (its budget counted)."""
+        budget = int(self.settings.get("max_restarts", 3))
+        used = sum(s.restarts for s in self.servers)
+        if used >= budget:
+            raise ServerError(
+                f"{server.name()} died and the {budget} restarts of rollout.servers.max_restarts "
+                f"are used:\n{log_tail(server.log)}"
+            )
+        server.signal(signal.SIGKILL)
+        if server.process is not None:
+            server.process.wait(30)
+        server.restarts += 1
+        self._counters["server_restarts"] += 1
+        launch(server, self._dir, self.dtype, self.vllm)
+        server.alive = False  # until it answers
+        write_record(self.directory, self.servers)
+        waited = wait_healthy([server], float(self.settings.get("start_timeout_s", 600)))
+        server.alive = True
+        print(f"asyncrl: {server.name()} restarted in {waited:.1f} s")
+
+    def shutdown(self) -> None:
+        """Stops the servers this run launched; attached ones are left running."""
+        stop(self.servers)
+        record = self.directory / "launched.json"
+        if any(s.launched for s in self.servers) and record.exists():
+            record.unlink()
+
+    def metrics(self) -> dict[str, float]:
+        with self._lock:
+            return dict(self._counters)
+
+    # -- weights ------------------------------------------------------------------------------
+
+    def _load_on(self, server: Server, version: int) -> None:
+        """Loads weights version `version` into `server` through vLLM's RL routes: pause
+        (in-flight requests kept), reload from the version's file, tag the version, resume."""
+        with server.lock:  # the server's first job of a batch loads; the others wait for it
+            if server.version != version:
+                self._load_locked(server, version)
+
+    def _load_locked(self, server: Server, version: int) -> None:
+        with self._lock:
+            if self._file_version != version:
+                self._write_version(version)
+        started = time.perf_counter()
+        server.post("/pause", mode="keep")
+        server.version = None  # a load that fails halfway leaves no version of ours
+        server.post(
+            "/collective_rpc",
+            {"method": "reload_weights", "kwargs": {"weights_path": self._reload_dir}},
+        )
+        server.post("/update_weight_version", {"new_version": str(version)})
+        server.post("/resume")
+        server.version = version
+        with self._lock:
+            self._counters["server_pause_s"] += time.perf_counter() - started
+
+    def _write_version(self, version: int) -> None:
+        from safetensors.torch import save_file
+
+        started = time.perf_counter()
+        _, state = weights_to_load(self.weights, version, None)
+        assert state is not None
+        # tied weights (embeddings and output layer) are one tensor: each name gets its own
+        tensors = {k: v.detach().to("cpu").contiguous().clone() for k, v in state.items()}
+        path = os.path.join(self._reload_dir, "model.safetensors")
+        save_file(tensors, path + ".tmp")
+        os.replace(path + ".tmp", path)
+        self._file_version = version
+        self._counters["engine_weight_updates"] += 1
+        self._counters["engine_weight_update_s"] += time.perf_counter() - started
+
+    # -- generation ---------------------------------------------------------------------------
+
+    def generate(
+        self,
+        requests: list[GenerationRequest],
+        version: int | None = None,
+        max_tokens: int | None = None,
+    ) -> list[GenerationOutput]:
+        """Samples every request with one weights version, its jobs spread over the servers."""
+        version, _ = weights_to_load(self.weights, version, None)
+        jobs, done_before = plan_jobs(requests, self.max_new_tokens, max_tokens)
+        pieces: dict[tuple[int, int], Piece] = {}
+        pending = list(jobs)
+        running: dict[Future[dict[int, Piece]], tuple[Job, Server]] = {}
+        load: dict[int, int] = {}
+        with ThreadPoolExecutor(max_workers=max(1, min(len(jobs) + 1, 256))) as pool:
+            while pending or running:
+                live = [s for s in self.servers if s.alive]
+                if not live and not running:
+                    self._await_restart()
+                    continue
+                while pending and live:
+                    job = pending.pop(0)
+                    server = min(live, key=lambda s: (load.get(s.index, 0), s.index))
+                    load[server.index] = load.get(server.index, 0) + job.n
+                    future = pool.submit(self._run_job, server, job, version)
+                    running[future] = (job, server)
+                done, _ = wait(list(running), return_when=FIRST_COMPLETED)
+                for future in done:
+                    job, server = running.pop(future)
+                    load[server.index] -= job.n
+                    try:
+                        received = future.result()
+                    except StreamBroken as broken:
+                        received, rest = self._hand_on(job, broken.received)
+                        pending.extend(rest)
+                        self._lost(server, broken.cause, broken.received)
+                    for sample, piece in received.items():
+                        key = (job.request, sample)
+                        pieces[key] = merge_pieces(pieces[key], piece) if key in pieces else piece
+        fault_point("engine.decode_step")
+        per_request: list[dict[int, Piece]] = [{} for _ in requests]
+        for (request, sample), piece in pieces.items():
+            per_request[request][sample] = piece
+        return [
+            assemble_output(request, per_request[i], done_before[i], version, self.pad_id)
+            for i, request in enumerate(requests)
+        ]
+
+    def _hand_on(self, job: Job, received: dict[int, Piece]) -> tuple[dict[int, Piece], list[Job]]:
+        """A broken job: what arrived is kept, and the rest continues from it."""
+        return received, continue_job(job, received)
+
+    def _lost(self, server: Server, cause: BaseException, received: dict[int, Piece]) -> None:
+        """A stream of `server` broke: it is dead unless `/health` still answers; a launched
+        one is restarted."""
+        kept = sum(len(ids) for ids, _, _ in received.values())
+        with self._lock:
+            self._counters["server_failovers"] += 1
+            self._counters["server_tokens_kept"] += kept
+        with server.lock:  # one death is handled once, whichever of its streams saw it
+            if not server.alive or server.healthy(timeout=self.health_timeout):
+                return  # handled already, or alive (the stream alone broke)
+            server.alive = False
+        print(
+            f"asyncrl: {server.name()} stopped answering ({cause!r}); its requests continue "
+            f"from the {kept} token(s) received"
+        )
+        if server.launched:
+            thread = threading.Thread(
+                target=self._restart_in_background, args=(server,), daemon=True
+            )
+            self._restarts.append(thread)
+            thread.start()
+
+    def _restart_in_background(self, server: Server) -> None:
+        try:
+            self._restart(server)
+        except BaseException as err:  # the generation thread raises it (`_await_restart`)
+            self._restart_error = err
+
+    def _await_restart(self) -> None:
+        """No server is live and nothing runs: waits for a restart in progress; raises the
+        restart's error, or ServerError when none is coming."""
+        while True:
+            if self._restart_error is not None:
+                raise self._restart_error
+            if any(s.alive for s in self.servers):
+                return
+            self._restarts = [t for t in self._restarts if t.is_alive()]
+            if not self._restarts:
+                raise ServerError(
+                    "no vLLM server is left to generate on: "
+                    + "; ".join(s.name() for s in self.servers)
+                )
+            self._restarts[0].join(0.2)
+
+    def _run_job(self, server: Server, job: Job, version: int) -> dict[int, Piece]:
+        """One job as one streamed completion on `server`: per sample, the tokens, their
+        log-probs and whether it ended. StreamBroken (with what arrived) if the stream stops
+        before its end."""
+        received: dict[int, Piece] = {}
+        try:
+            self._load_on(server, version)
+            body = {
+                "model": server.model,
+                "prompt": job.prompt,
+                "n": job.n,
+                "seed": job.seed % (1 << 63),
+                "max_tokens": job.max_tokens,
+                "temperature": self.temperature,
+                "logprobs": 0,
+                "stream": True,
+                "return_token_ids": True,
+                "return_tokens_as_token_ids": True,
+                "stop_token_ids": [self.eos_id],
+                "ignore_eos": False,
+            }
+            timeout = httpx.Timeout(self.health_timeout, connect=10.0)
+            with server.client.stream(
+                "POST", server.url + "/v1/completions", json=body, timeout=timeout
+            ) as reply:
+                if reply.status_code != 200:
+                    raise ServerError(
+                        f"{server.name()}: /v1/completions: {reply.status_code} "
+                        f"{reply.read().decode(errors='replace')[:500]}"
+                    )
+                ended: set[int] = set()
+                for line in reply.iter_lines():
+                    if not line.startswith("data: ") or line == "data: [DONE]":
+                        continue
+                    for choice in json.loads(line[6:])["choices"]:
+                        sample = job.samples[choice["index"]]
+                        ids = [int(t) for t in choice.get("token_ids") or []]
+                        lps = [float(x) for x in (choice.get("logprobs") or {}).get(
+                            "token_logprobs") or []]  # fmt: skip
+                        if len(ids) != len(lps):
+                            raise ServerError(
+                                f"{server.name()}: {len(ids)} token ids but {len(lps)} "
+                                "log-probs in one chunk"
+                            )
+                        have, have_lps, _ = received.get(sample, ([], [], False))
+                        have, have_lps = have + ids, have_lps + lps
+                        reason = choice.get("finish_reason")
+                        if reason == "stop" and not (have and have[-1] == self.eos_id):
+                            raise ProtocolError(
+                                f"{server.name()} stopped a sample on token {have[-1:]}, not "
+                                f"on eos {self.eos_id}: its stop tokens are not asyncrl's"
+                            )
+                        if reason == "abort":
+                            raise ServerError(f"{server.name()} aborted a request")
+                        done = reason is not None and sample_ended(
+                            have, len(job.prefix), self.eos_id, self.max_new_tokens
+                        )
+                        received[sample] = (have, have_lps, done)
+                        with self._lock:
+                            self._counters["server_tokens_received"] += len(ids)
+                        if reason is not None:
+                            ended.add(sample)
+                        for _ in ids:
+                            server_fault_point(
+                                "server.tokens_received", server.signal, server=server.index,
+                                version=version,
+                            )  # fmt: skip
+                if len(ended) < job.n:
+                    raise ServerError(f"{server.name()}: the stream ended before its samples")
+        except (httpx.HTTPError, ServerError, OSError, ValueError) as err:
+            raise StreamBroken(received, err) from err
+        return received

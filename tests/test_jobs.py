@@ -1,0 +1,148 @@
+"""The vLLM engines' requests (`asyncrl/rollout/jobs.py`), the servers' config and what a
+killed launch left (`asyncrl/rollout/servers.py`'s `stop_stale`): plain data, hand-counted,
+and real processes standing in for servers (no vLLM)."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import time
+
+import pytest
+from helpers import process_gone, small_config
+
+from asyncrl.config import ConfigError
+from asyncrl.config.engines import url_problem
+from asyncrl.core.seeds import continued_seed
+from asyncrl.faults import parse
+from asyncrl.rollout.engine import GenerationRequest
+from asyncrl.rollout.jobs import Job, assemble_output, continue_job, merge_pieces, plan_jobs
+from asyncrl.rollout.servers import MARK, RECORD, stop_stale
+
+
+def test_a_fresh_request_is_one_job_and_continued_samples_one_each():
+    fresh = GenerationRequest([5, 6], 3, noise_seed=11)
+    cont = GenerationRequest([7], 3, noise_seed=12, prefixes=((1, 2), (), (3,)),
+                             finished=(False, False, True))  # fmt: skip
+    jobs, done = plan_jobs([fresh, cont], max_new_tokens=4, max_tokens=None)
+    assert jobs[0] == Job(0, (0, 1, 2), (5, 6), (), 11, 4, 11)
+    assert [j.samples for j in jobs[1:]] == [(0,), (1,)]  # sample 2 finished: no job
+    assert jobs[1].prompt == [7, 1, 2] and jobs[1].max_tokens == 2  # 4 - 2 so far
+    assert jobs[1].seed == continued_seed(12, 0, 2)
+    assert jobs[2].prompt == [7] and jobs[2].seed == continued_seed(12, 1, 0)
+    assert done == [[False] * 3, [False, False, True]]
+    chunk, _ = plan_jobs([fresh, cont], max_new_tokens=4, max_tokens=1)
+    assert [j.max_tokens for j in chunk] == [1, 1, 1]
+
+
+def test_a_broken_job_continues_each_unfinished_sample_from_its_last_received_token():
+    """The tokens that arrived are the continued jobs' prefixes (never asked for again), each
+    seeded as a partial generation cut there, with the rest of the budget; ended samples and
+    samples at their budget get no job."""
+    job = Job(3, (0, 1, 2, 3), (9, 9), (), 40, 6, 40)
+    received = {0: ([1, 2], [-0.1, -0.2], False), 1: ([4], [-0.4], True),
+                3: ([1] * 6, [-0.5] * 6, False)}  # fmt: skip
+    rest = continue_job(job, received)
+    assert [(j.samples, j.prefix, j.max_tokens) for j in rest] == [
+        ((0,), (1, 2), 4),
+        ((2,), (), 6),  # nothing arrived: it starts over, at its first token's seed
+    ]
+    assert rest[0].seed == continued_seed(40, 0, 2) and rest[0].prompt == [9, 9, 1, 2]
+    assert rest[1].seed == continued_seed(40, 2, 0)
+    # a continued job broken again: its prefix grows, its budget shrinks
+    again = continue_job(rest[0], {0: ([5], [-0.6], False)})
+    assert again[0].prefix == (1, 2, 5) and again[0].max_tokens == 3
+    assert again[0].seed == continued_seed(40, 0, 3)
+
+
+def test_pieces_merge_in_order_into_one_padded_output():
+    first = ([1, 2], [-0.1, -0.2], False)
+    merged = merge_pieces(first, ([3], [-0.3], True))
+    assert merged == ([1, 2, 3], [-0.1, -0.2, -0.3], True)
+    request = GenerationRequest([0], 2, noise_seed=1)
+    out = assemble_output(request, {0: merged}, [False, True], 4, pad_id=0)
+    assert out.completion_ids.tolist() == [[1, 2, 3], [0, 0, 0]]
+    assert out.completion_mask.tolist() == [[True] * 3, [False] * 3]
+    assert out.finished.tolist() == [True, True] and out.weights_version == 4
+
+
+@pytest.mark.parametrize(
+    ("url", "problem"),
+    [
+        ("http://127.0.0.1:8000", ""),
+        ("https://node7:443/v1", ""),
+        ("127.0.0.1:8000", "an http://HOST:PORT URL"),
+        ("http://node7", "with its port"),
+        ("http://node7:99999", "Port out of range"),
+        ("http://node7:80/generate", "no path but /v1"),
+    ],
+)
+def test_server_urls_are_checked_naming_what_is_wrong(url, problem):
+    assert (problem in url_problem(url)) and (bool(problem) == bool(url_problem(url)))
+
+
+def test_the_servers_config_is_refused_naming_the_key():
+    with pytest.raises(ConfigError, match=r"rollout\.servers\.urls: got 'localhost:1'"):
+        small_config("rollout.engine=vllm_server", "rollout.servers.urls=localhost:1")
+    with pytest.raises(ConfigError, match=r"rollout\.servers\.launch: got 0"):
+        small_config("rollout.engine=vllm_server")
+    with pytest.raises(ConfigError, match=r"rollout\.servers\.launch: got 2"):
+        small_config("rollout.engine=vllm_server", "rollout.servers.launch=2",
+                     "rollout.servers.urls=http://127.0.0.1:8000")  # fmt: skip
+    with pytest.raises(ConfigError, match=r"rollout\.backend: got 'ray'"):
+        small_config("rollout.engine=vllm_server", "rollout.servers.launch=1",
+                     "rollout.backend=ray")  # fmt: skip
+    config = small_config(
+        "rollout.engine=vllm_server", "rollout.servers.urls=http://a:1,http://b:2"
+    )
+    assert config.rollout.servers.urls == ["http://a:1", "http://b:2"]
+
+
+def test_server_fault_specs_name_their_variable():
+    (stage,) = parse("server.tokens_received[server=1]:20", "ASYNCRL_SERVER_FAULT")
+    assert (stage.point, stage.conditions, stage.count) == ("server.tokens_received",
+                                                             (("server", 1),), 20)  # fmt: skip
+    with pytest.raises(ValueError, match=r"ASYNCRL_SERVER_FAULT: server\.tokens_received knows"):
+        parse("server.tokens_received[step=1]", "ASYNCRL_SERVER_FAULT")
+
+
+def _group(*argv: str) -> subprocess.Popen[bytes]:
+    """A process group of a shell and a sleeper, the shell's command line holding `argv`."""
+    return subprocess.Popen(["sh", "-c", "sleep 60 & sleep 60; :", *argv], start_new_session=True)
+
+
+def _children(pid: int) -> list[int]:
+    out = subprocess.run(["pgrep", "-g", str(pid)], capture_output=True, text=True).stdout
+    return [int(p) for p in out.split()]
+
+
+def test_a_killed_launchs_servers_are_stopped_at_the_next_and_nothing_else(tmp_path):
+    """`launched.json` names the process groups a launch started; the next launch kills each
+    group still running a vLLM server (its engine and worker processes with it), and leaves a
+    recorded pid that now belongs to something else alone (pids are reused)."""
+    server = _group(MARK, "--port", "1")
+    other = _group("not-a-server")
+    try:
+        for proc in (server, other):
+            for _ in range(200):
+                if len(_children(proc.pid)) == 3:  # the shell and its two sleepers
+                    break
+                time.sleep(0.05)
+        members = _children(server.pid)
+        assert len(members) == 3
+        rows = [{"index": 0, "pid": server.pid, "url": "x"}, {"index": 1, "pid": other.pid,
+                "url": "y"}]  # fmt: skip
+        (tmp_path / RECORD).write_text(json.dumps(rows))
+        assert stop_stale(tmp_path) == [server.pid]
+        assert all(process_gone(pid, 10) for pid in members)  # the whole group
+        assert other.poll() is None  # not a server: left alone
+        assert not (tmp_path / RECORD).exists()
+        assert stop_stale(tmp_path) == []  # nothing recorded: nothing to do
+    finally:
+        for proc in (server, other):
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
