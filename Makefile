@@ -8,7 +8,7 @@ RUN_DIR ?= runs/demo-$(NOW)
 # a demo's run dir: RUN_DIR when given (command line or environment), else runs/NAME-TIME
 demo_dir = $(if $(filter command line environment,$(origin RUN_DIR)),$(RUN_DIR),runs/$(1)-$(NOW))
 
-.PHONY: setup demo math-demo smol-demo multi-turn-demo calculator-demo ppo-demo rloo-demo test test-fast lint bench bench-algos bench-ray bench-scale bench-lora bench-lora-curve bench-vllm-lora bench-deferral bench-reward bench-engines bench-records bench-rank-messages bench-smol bench-calculator bench-floor bench-attention bench-preemption bench-ray-drain gpu-check chaos docs clean
+.PHONY: setup demo math-demo smol-demo multi-turn-demo calculator-demo ppo-demo rloo-demo test test-fast lint bench bench-algos bench-ray bench-scale bench-lora bench-lora-curve bench-vllm-lora bench-deferral bench-reward bench-engines bench-records bench-rank-messages bench-smol bench-calculator bench-floor bench-attention bench-preemption bench-ray-drain bench-servers gpu-check chaos docs clean
 
 setup: $(STAMP)
 
@@ -103,6 +103,9 @@ bench-lora: setup
 	$(BIN)/python benchmarks/lora.py
 
 # vLLM with LoRA: merged weights per version against LoRA requests (~8 min)
+bench-servers: setup
+	$(BIN)/python benchmarks/servers.py
+
 bench-vllm-lora: setup
 	$(BIN)/python benchmarks/vllm_lora.py
 

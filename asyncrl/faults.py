@@ -97,7 +97,7 @@ FACTS: dict[str, tuple[str, ...]] = {
     "train.weights_published": ("step",),
     "rank.step_done": ("step",),
     "checkpoint.rank_file_written": ("step",),
-    "server.tokens_received": ("server", "tokens", "version"),
+    "server.tokens_received": ("server", "version"),
 }
 """The facts each point states; a point not named states none."""
 
@@ -173,18 +173,20 @@ class Trigger:
         return self.index == len(self.stages)
 
 
-def parse_signal(name: str) -> signal.Signals:
-    """The signal of `ASYNCRL_FAULT_SIGNAL` (default SIGKILL); ValueError naming it if unknown."""
+def parse_signal(name: str, var: str = "ASYNCRL_FAULT_SIGNAL") -> signal.Signals:
+    """The signal a variable names (default SIGKILL); ValueError naming both if unknown."""
     try:
         return signal.Signals[name or "SIGKILL"]
     except KeyError:
-        raise ValueError(f"ASYNCRL_FAULT_SIGNAL: unknown signal {name!r}, e.g. SIGTERM") from None
+        raise ValueError(f"{var}: unknown signal {name!r}, e.g. SIGTERM") from None
 
 
 _STAGES = parse(os.environ.get("ASYNCRL_FAULT", ""))
 _SERVER_STAGES = parse(os.environ.get("ASYNCRL_SERVER_FAULT", ""), "ASYNCRL_SERVER_FAULT")
 _SERVER_TRIGGER = Trigger(_SERVER_STAGES) if _SERVER_STAGES else None
-_SERVER_SIGNAL = parse_signal(os.environ.get("ASYNCRL_SERVER_FAULT_SIGNAL", ""))
+_SERVER_SIGNAL = parse_signal(
+    os.environ.get("ASYNCRL_SERVER_FAULT_SIGNAL", ""), "ASYNCRL_SERVER_FAULT_SIGNAL"
+)
 _SIGNAL = parse_signal(os.environ.get("ASYNCRL_FAULT_SIGNAL", ""))
 _TRIGGER = Trigger(_STAGES) if _STAGES else None
 _THEN = parse(os.environ.get("ASYNCRL_FAULT_THEN", ""))

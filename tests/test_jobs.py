@@ -20,7 +20,7 @@ from asyncrl.core.seeds import continued_seed
 from asyncrl.faults import parse
 from asyncrl.rollout.engine import GenerationRequest
 from asyncrl.rollout.jobs import Job, assemble_output, continue_job, merge_pieces, plan_jobs
-from asyncrl.rollout.servers import MARK, RECORD, stop_stale
+from asyncrl.rollout.servers import MARK, RECORD, _start_time, stop_stale
 
 
 def test_a_fresh_request_is_one_job_and_continued_samples_one_each():
@@ -120,9 +120,10 @@ def _children(pid: int) -> list[int]:
 
 
 def test_a_killed_launchs_servers_are_stopped_at_the_next_and_nothing_else(tmp_path):
-    """`launched.json` names the process groups a launch started; the next launch kills each
-    group still running a vLLM server (its engine and worker processes with it), and leaves a
-    recorded pid that now belongs to something else alone (pids are reused)."""
+    """`launched.json` names the process groups a launch started, with each leader's start
+    time; the next launch kills each group whose leader is still that process (the whole
+    group: its engine and worker with it), and leaves alone a recorded pid that is now another
+    process (pids are reused: its start time differs)."""
     server = _group(MARK, "--port", "1")
     other = _group("not-a-server")
     try:
@@ -133,12 +134,14 @@ def test_a_killed_launchs_servers_are_stopped_at_the_next_and_nothing_else(tmp_p
                 time.sleep(0.05)
         members = _children(server.pid)
         assert len(members) == 3
-        rows = [{"index": 0, "pid": server.pid, "url": "x"}, {"index": 1, "pid": other.pid,
-                "url": "y"}]  # fmt: skip
+        started = [_start_time(server.pid), _start_time(other.pid)]
+        assert all(started)
+        rows = [{"index": 0, "pid": server.pid, "started": started[0], "url": "x"},
+                {"index": 1, "pid": other.pid, "started": started[1] + 1, "url": "y"}]  # fmt: skip
         (tmp_path / RECORD).write_text(json.dumps(rows))
         assert stop_stale(tmp_path) == [server.pid]
         assert all(process_gone(pid, 10) for pid in members)  # the whole group
-        assert other.poll() is None  # not a server: left alone
+        assert other.poll() is None  # the pid of another process now: left alone
         assert not (tmp_path / RECORD).exists()
         assert stop_stale(tmp_path) == []  # nothing recorded: nothing to do
     finally:

@@ -52,7 +52,7 @@ def engine(policy, tmp_path_factory):
     run_dir = tmp_path_factory.mktemp("servers")
     options = {
         "vllm": {"kv_cache_bytes": 32 << 20, "max_num_seqs": 64},
-        "servers": {"launch": 2, "max_restarts": 3, "health_timeout_s": 3.0},
+        "servers": {"launch": 2, "max_restarts": 4, "health_timeout_s": 3.0},
         "run_dir": str(run_dir),
     }
     spec = EngineSpec(policy.model, policy.eos_id, policy.pad_id, MAX_NEW, 0.8,
@@ -68,6 +68,20 @@ def requests(policy, count=4, samples=4, seed=0):
     prompts = [policy.tokenizer(f"{i}+{i}=", add_special_tokens=False)["input_ids"]
                for i in range(count)]  # fmt: skip
     return [GenerationRequest(p, samples, noise_seed=seed + i) for i, p in enumerate(prompts)]
+
+
+def logprob_gap(policy, batch, outputs) -> float:
+    """The largest |engine - trainer| log-prob over the batch's sampled tokens (the trainer's
+    forward pass of the same weights over prompt + the whole completion)."""
+    gap = 0.0
+    with torch.no_grad():
+        for request, output in zip(batch, outputs, strict=True):
+            prompt = [list(request.prompt_ids)] * request.num_samples
+            full, _ = completion_logprobs(policy.model, prompt, output.completion_ids,
+                                          output.completion_mask, 0.8, 0)  # fmt: skip
+            diff = (full - output.logprobs)[output.completion_mask].abs()
+            gap = max(gap, float(diff.max()) if diff.numel() else 0.0)
+    return gap
 
 
 def received_equals_returned(engine, outputs, before):
@@ -86,13 +100,7 @@ def test_servers_sample_with_the_trainers_log_probs_and_answer_each_seed_alike(e
     assert all(s.version == 0 for s in engine.servers)
     got, returned = received_equals_returned(engine, outputs, before)
     assert got == returned > 0
-    with torch.no_grad():
-        for request, output in zip(batch, outputs, strict=True):
-            prompt = [list(request.prompt_ids)] * request.num_samples
-            full, _ = completion_logprobs(policy.model, prompt, output.completion_ids,
-                                          output.completion_mask, 0.8, 0)  # fmt: skip
-            gap = (full - output.logprobs)[output.completion_mask].abs().max()
-            assert float(gap) <= 1e-4
+    assert logprob_gap(policy, batch, outputs) <= 1e-4
     # the same request on each server alone: the same tokens
     one = batch[:1]
     alive = list(engine.servers)
@@ -106,31 +114,41 @@ def test_servers_sample_with_the_trainers_log_probs_and_answer_each_seed_alike(e
     assert tokens[0] == tokens[1]
 
 
-@pytest.mark.parametrize("drop_received", [False, True], ids=["continues", "control-drops"])
+@pytest.mark.parametrize("control", ["", "drops", "starts-over"])
 def test_a_server_killed_mid_stream_hands_its_requests_on_from_the_tokens_received(
-    engine, policy, monkeypatch, drop_received
+    engine, policy, monkeypatch, control
 ):
     """Server 0 is SIGKILLed at the 7th token it streamed: its requests continue on server 1
     from the tokens that arrived, and server 0 is restarted. Every token received is returned
-    once. Control: a failover that drops what arrived asks for those tokens again, and the
-    count says so."""
+    once, each sample within its budget, and each token's log-prob is the trainer's given the
+    tokens before it (a continuation that did not start from the received tokens would not
+    be). Controls: a failover that drops what arrived (asked for again: more received than
+    returned), and one that keeps it but continues from the job's start (caught by the
+    log-probs)."""
     stages = faults.parse("server.tokens_received[server=0]:7", "ASYNCRL_SERVER_FAULT")
     monkeypatch.setattr(faults, "_SERVER_TRIGGER", faults.Trigger(stages))
     monkeypatch.setattr(faults, "_SERVER_SIGNAL", signal.SIGKILL)
-    if drop_received:  # what arrived is thrown away, and asked for again
+    if control == "drops":  # what arrived is thrown away, and asked for again
         monkeypatch.setattr(engine, "_hand_on", lambda job, got: ({}, continue_job(job, {})))
+    if control == "starts-over":  # kept, but the continuation ignores it
+        monkeypatch.setattr(engine, "_hand_on", lambda job, got: (got, continue_job(job, {})))
     before = engine.metrics()
     pid = engine.servers[0].process.pid
-    outputs = engine.generate(requests(policy, count=6, seed=100))
+    batch = requests(policy, count=6, seed=100)
+    outputs = engine.generate(batch)
     after = engine.metrics()
     assert after["server_failovers"] > before["server_failovers"]
     assert after["server_tokens_kept"] - before["server_tokens_kept"] >= 1
     assert all(bool(o.finished_rows().all()) for o in outputs)  # every sample to its end
     got, returned = received_equals_returned(engine, outputs, before["server_tokens_received"])
-    if drop_received:
+    gap = logprob_gap(policy, batch, outputs)
+    if control == "drops":
         assert got > returned  # the dropped tokens were generated again
+    elif control == "starts-over":
+        assert gap > 1e-3  # tokens sampled without the ones before them
     else:
-        assert got == returned
+        assert got == returned and gap <= 1e-4
+        assert all(int(o.completion_mask.sum(dim=1).max()) <= MAX_NEW for o in outputs)
     assert process_gone(pid, 30)
     waited = engine._restarts[-1]
     waited.join(300)  # the restart, in the background

@@ -71,9 +71,10 @@ class ServersConfig:
     and a file system shared with this process (each weights version is reloaded from a
     file under the run dir). Never stopped by asyncrl."""
     max_restarts: int = field(default=3, metadata=MAY_CHANGE)
-    """Launched servers restarted after they died, in all; one more death stops the run, naming
-    the server and its log. Attached servers are not restarted: their requests move to the
-    others, and the run stops when none answers."""
+    """Launched servers restarted after they died, in all; a server that dies past it stays
+    down (its log's last lines printed), its requests move to the others, and generation fails
+    when none is left (`rollout.max_generation_failures`). Attached servers are never
+    restarted."""
     health_timeout_s: float = field(default=30.0, metadata=MAY_CHANGE)
     """A server whose request stream sends nothing and whose `/health` does not answer for
     this long is dead (a hung process): its requests continue elsewhere from the tokens

@@ -30,14 +30,20 @@ import httpx
 SERVERS_DIR = "servers"
 """`RUN_DIR/servers/`: the launched servers' logs and `launched.json`."""
 RECORD = "launched.json"
+STREAMS = httpx.Limits(max_connections=None, max_keepalive_connections=64)
 SERVED_NAME = "asyncrl"
 """The model name launched servers answer to (`--served-model-name`)."""
 MARK = "vllm.entrypoints.openai.api_server"
-"""What a launched server's command line holds (a stale record's pid is checked for it)."""
+"""The module a launched server runs."""
 
 
 class ServerError(RuntimeError):
-    """A server that cannot be started, reached or used; the message names it (and its log)."""
+    """A server that cannot be started or used; the message names it (and its log)."""
+
+
+class ServerDown(ServerError):
+    """A server that did not answer (its connection refused, dropped or timed out): its work
+    may continue elsewhere."""
 
 
 @dataclass
@@ -49,11 +55,20 @@ class Server:
     process: subprocess.Popen[bytes] | None = None
     log: Path | None = None
     model: str = SERVED_NAME
+    started: int = 0
+    """A launched server's start time (`/proc/PID/stat`), recorded: a stale record's pid is
+    stopped only if that process is still the one started."""
     version: int | None = None
     """The weights version loaded (None: not ours yet, or unknown)."""
     alive: bool = True
     restarts: int = 0
-    client: httpx.Client = field(default_factory=lambda: httpx.Client(timeout=600.0))
+    client: httpx.Client = field(
+        default_factory=lambda: httpx.Client(timeout=600.0, limits=STREAMS)
+    )
+    """Its request streams: as many at once as a batch has jobs."""
+    control: httpx.Client = field(default_factory=lambda: httpx.Client(timeout=30.0))
+    """Its `/health` and RL routes, apart from the streams (a full pool must not make a
+    healthy server look dead)."""
     lock: threading.Lock = field(default_factory=threading.Lock)
     """Held while its weights change."""
 
@@ -65,12 +80,17 @@ class Server:
         where = f", log {self.log}" if self.log else ""
         return f"server {self.index} ({self.url}{where})"
 
-    def post(self, route: str, body: dict[str, Any] | None = None, **params: Any) -> Any:
-        """POSTs to one of vLLM's routes; ServerError naming the server and route on failure."""
+    def post(
+        self, route: str, body: dict[str, Any] | None = None, timeout: float = 30.0, **params: Any
+    ) -> Any:
+        """POSTs to one of vLLM's routes: ServerDown when the server does not answer in
+        `timeout`, ServerError naming the server and route when it refuses."""
         try:
-            reply = self.client.post(self.url + route, json=body, params=params or None)
+            reply = self.control.post(
+                self.url + route, json=body, params=params or None, timeout=timeout
+            )
         except httpx.HTTPError as err:
-            raise ServerError(f"{self.name()}: POST {route} failed: {err!r}") from err
+            raise ServerDown(f"{self.name()}: POST {route} failed: {err!r}") from err
         if reply.status_code == 404:
             raise ServerError(
                 f"{self.name()}: POST {route} is not served: start vLLM with "
@@ -82,7 +102,7 @@ class Server:
 
     def healthy(self, timeout: float) -> bool:
         try:
-            return self.client.get(self.url + "/health", timeout=timeout).status_code == 200
+            return self.control.get(self.url + "/health", timeout=timeout).status_code == 200
         except httpx.HTTPError:
             return False
 
@@ -125,8 +145,12 @@ def server_command(model_dir: str, port: int, dtype: str, vllm: dict[str, Any]) 
     return command
 
 
-def server_env() -> dict[str, str]:
+def server_env(launched: int = 1) -> dict[str, str]:
+    """A launched server's environment: vLLM's RL routes on, and its share of this machine's
+    cores (`OMP_NUM_THREADS`, unless set): two servers of 2 threads each on 2 cores decoded
+    110 tok/s at 100M here, of 1 thread each 539 (benchmarks/servers.py)."""
     env = {**os.environ, "VLLM_SERVER_DEV_MODE": "1"}
+    env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // max(1, launched))))
     env.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")  # the trainer shares the cores
     env.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
     # the engine core in the server's process, not one more spawned (start-up 16.5 s against
@@ -136,8 +160,11 @@ def server_env() -> dict[str, str]:
     return env
 
 
-def launch(server: Server, model_dir: str, dtype: str, vllm: dict[str, Any]) -> None:
-    """Starts (or restarts) a launched server at a free port, in a process group of its own."""
+def launch(
+    server: Server, model_dir: str, dtype: str, vllm: dict[str, Any], launched: int = 1
+) -> None:
+    """Starts (or restarts) a launched server at a free port, in a process group of its own;
+    it is not `alive` until `wait_healthy` says so."""
     port = free_port()
     server.url = f"http://127.0.0.1:{port}"
     assert server.log is not None
@@ -149,11 +176,12 @@ def launch(server: Server, model_dir: str, dtype: str, vllm: dict[str, Any]) -> 
             stdout=log,
             stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL,
-            env=server_env(),
+            env=server_env(launched),
             start_new_session=True,  # its own group: stopped whole, apart from the trainer's
         )
     server.version = None
-    server.alive = True
+    server.alive = False
+    server.started = _start_time(server.process.pid)
 
 
 def wait_healthy(servers: list[Server], timeout: float) -> float:
@@ -169,6 +197,7 @@ def wait_healthy(servers: list[Server], timeout: float) -> float:
                     + log_tail(server.log)
                 )
             if server.healthy(timeout=2.0):
+                server.alive = True
                 waiting.remove(server)
         if waiting and time.monotonic() - started > timeout:
             names = ", ".join(s.name() for s in waiting)
@@ -191,13 +220,23 @@ def write_record(directory: Path, servers: list[Server]) -> None:
     """`launched.json`: each launched server's pid (its process group) and port, so the next
     launch stops what a SIGKILLed one left."""
     rows = [
-        {"index": s.index, "pid": s.process.pid, "url": s.url}
+        {"index": s.index, "pid": s.process.pid, "started": s.started, "url": s.url}
         for s in servers
         if s.process is not None
     ]
     tmp = directory / (RECORD + ".tmp")
     tmp.write_text(json.dumps(rows))
     os.replace(tmp, directory / RECORD)
+
+
+def _start_time(pid: int) -> int:
+    """A process's start time in clock ticks since boot (0 if it is gone): with its pid, what
+    names one process for good (pids are reused)."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0
+    return int(fields[19])  # field 22 of stat; fields[0] is field 3 (the state)
 
 
 def _group_members(pgid: int) -> list[int]:
@@ -214,18 +253,11 @@ def _group_members(pgid: int) -> list[int]:
     return members
 
 
-def _is_ours(pid: int) -> bool:
-    """A process of a launched server: vLLM's server, or a process vLLM spawned for it."""
-    try:
-        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
-    except OSError:
-        return False
-    return MARK in cmdline or "multiprocessing" in cmdline or "vllm" in cmdline
-
-
 def stop_stale(directory: Path) -> list[int]:
-    """Stops the process groups a killed launch's servers left running (their pids in
-    `launched.json`, each checked to be a vLLM server's still); the groups stopped."""
+    """Stops the process groups a killed launch's servers left running (`launched.json`): a
+    group whose leader is still the recorded process (its pid and start time) is killed whole
+    (the server, its engine and worker); the groups stopped. A recorded pid now another
+    process's, or this process's own group, is left alone."""
     record = directory / RECORD
     if not record.exists():
         return []
@@ -236,8 +268,9 @@ def stop_stale(directory: Path) -> list[int]:
     stopped = []
     for row in rows:
         pgid = int(row["pid"])
-        members = [pid for pid in _group_members(pgid) if _is_ours(pid)]
-        if members:
+        if pgid == os.getpgrp() or not row.get("started"):
+            continue
+        if _start_time(pgid) == int(row["started"]) and _group_members(pgid):
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(pgid, signal.SIGKILL)
             stopped.append(pgid)
@@ -262,3 +295,4 @@ def stop(servers: list[Server], grace: float = 10.0) -> None:
             server.process.wait(5)
     for server in servers:
         server.client.close()
+        server.control.close()

@@ -59,6 +59,7 @@ from asyncrl.rollout.jobs import (
 from asyncrl.rollout.servers import (
     SERVERS_DIR,
     Server,
+    ServerDown,
     ServerError,
     launch,
     log_tail,
@@ -138,6 +139,7 @@ class VLLMServerEngine:
         self._file_version: int | None = None
         self._restarts: list[threading.Thread] = []
         self._restart_error: BaseException | None = None
+        self._closing = False
         self.servers: list[Server] = []
         urls = list(self.settings.get("urls") or [])
         try:
@@ -169,7 +171,7 @@ class VLLMServerEngine:
         self._write_model(spec)
         for index in range(count):
             server = Server(index, "", log=self.directory / f"server_{index}.log")
-            launch(server, self._dir, self.dtype, self.vllm)
+            launch(server, self._dir, self.dtype, self.vllm, count)
             self.servers.append(server)
         write_record(self.directory, self.servers)
         waited = wait_healthy(self.servers, float(self.settings.get("start_timeout_s", 600)))
@@ -196,28 +198,32 @@ class VLLMServerEngine:
         print(f"asyncrl: attached to {len(urls)} vLLM server(s): " + ", ".join(urls))
 
     def _restart(self, server: Server) -> None:
-        """Kills what is left of a launched server and starts it again (its budget counted)."""
+        """Kills what is left of a launched server and starts it again (its budget counted);
+        ServerError once the budget is spent. Nothing starts once `shutdown` began."""
         budget = int(self.settings.get("max_restarts", 3))
-        used = sum(s.restarts for s in self.servers)
-        if used >= budget:
-            raise ServerError(
-                f"{server.name()} died and the {budget} restarts of rollout.servers.max_restarts "
-                f"are used:\n{log_tail(server.log)}"
-            )
-        server.signal(signal.SIGKILL)
-        if server.process is not None:
-            server.process.wait(30)
-        server.restarts += 1
-        self._counters["server_restarts"] += 1
-        launch(server, self._dir, self.dtype, self.vllm)
-        server.alive = False  # until it answers
-        write_record(self.directory, self.servers)
+        with self._lock:
+            if self._closing:
+                return
+            if sum(s.restarts for s in self.servers) >= budget:
+                raise ServerError(
+                    f"{server.name()} died and the {budget} restarts of "
+                    f"rollout.servers.max_restarts are used:\n{log_tail(server.log)}"
+                )
+            server.restarts += 1
+            self._counters["server_restarts"] += 1
+            server.signal(signal.SIGKILL)
+            if server.process is not None:
+                server.process.wait(30)
+            launch(server, self._dir, self.dtype, self.vllm, len(self.servers))
+            write_record(self.directory, self.servers)
         waited = wait_healthy([server], float(self.settings.get("start_timeout_s", 600)))
-        server.alive = True
         print(f"asyncrl: {server.name()} restarted in {waited:.1f} s")
 
     def shutdown(self) -> None:
-        """Stops the servers this run launched; attached ones are left running."""
+        """Stops the servers this run launched (after any restart in progress); attached ones
+        are left running."""
+        with self._lock:
+            self._closing = True
         stop(self.servers)
         record = self.directory / "launched.json"
         if any(s.launched for s in self.servers) and record.exists():
@@ -233,6 +239,8 @@ class VLLMServerEngine:
         """Loads weights version `version` into `server` through vLLM's RL routes: pause
         (in-flight requests kept), reload from the version's file, tag the version, resume."""
         with server.lock:  # the server's first job of a batch loads; the others wait for it
+            if not server.alive:
+                raise ServerDown(f"{server.name()} is down")
             if server.version != version:
                 self._load_locked(server, version)
 
@@ -241,14 +249,18 @@ class VLLMServerEngine:
             if self._file_version != version:
                 self._write_version(version)
         started = time.perf_counter()
-        server.post("/pause", mode="keep")
+        quick = self.health_timeout  # a hung server is found as a hung stream is
+        server.post("/pause", timeout=quick, mode="keep")
         server.version = None  # a load that fails halfway leaves no version of ours
-        server.post(
-            "/collective_rpc",
-            {"method": "reload_weights", "kwargs": {"weights_path": self._reload_dir}},
-        )
-        server.post("/update_weight_version", {"new_version": str(version)})
-        server.post("/resume")
+        try:
+            server.post(
+                "/collective_rpc",
+                {"method": "reload_weights", "kwargs": {"weights_path": self._reload_dir}},
+                timeout=max(quick, 600.0),
+            )
+            server.post("/update_weight_version", {"new_version": str(version)}, timeout=quick)
+        finally:
+            server.post("/resume", timeout=quick)  # never left paused
         server.version = version
         with self._lock:
             self._counters["server_pause_s"] += time.perf_counter() - started
@@ -283,6 +295,7 @@ class VLLMServerEngine:
         pending = list(jobs)
         running: dict[Future[dict[int, Piece]], tuple[Job, Server]] = {}
         load: dict[int, int] = {}
+        failovers, most = 0, 8 + 4 * len(jobs)  # a server that keeps dropping streams
         with ThreadPoolExecutor(max_workers=max(1, min(len(jobs) + 1, 256))) as pool:
             while pending or running:
                 live = [s for s in self.servers if s.alive]
@@ -302,6 +315,12 @@ class VLLMServerEngine:
                     try:
                         received = future.result()
                     except StreamBroken as broken:
+                        failovers += 1
+                        if failovers > most:
+                            raise ServerError(
+                                f"{failovers} streams broke in one batch (the last on "
+                                f"{server.name()}: {broken.cause!r}); giving the batch up"
+                            ) from broken.cause
                         received, rest = self._hand_on(job, broken.received)
                         pending.extend(rest)
                         self._lost(server, broken.cause, broken.received)
@@ -347,6 +366,7 @@ class VLLMServerEngine:
         try:
             self._restart(server)
         except BaseException as err:  # the generation thread raises it (`_await_restart`)
+            print(f"asyncrl: {err}")
             self._restart_error = err
 
     def _await_restart(self) -> None:
@@ -390,7 +410,7 @@ class VLLMServerEngine:
             with server.client.stream(
                 "POST", server.url + "/v1/completions", json=body, timeout=timeout
             ) as reply:
-                if reply.status_code != 200:
+                if reply.status_code != 200:  # a request it refuses: not retried
                     raise ServerError(
                         f"{server.name()}: /v1/completions: {reply.status_code} "
                         f"{reply.read().decode(errors='replace')[:500]}"
@@ -399,7 +419,10 @@ class VLLMServerEngine:
                 for line in reply.iter_lines():
                     if not line.startswith("data: ") or line == "data: [DONE]":
                         continue
-                    for choice in json.loads(line[6:])["choices"]:
+                    chunk = json.loads(line[6:])
+                    if "error" in chunk:  # vLLM's engine failed mid-stream
+                        raise ServerDown(f"{server.name()}: {chunk['error']}")
+                    for choice in chunk["choices"]:
                         sample = job.samples[choice["index"]]
                         ids = [int(t) for t in choice.get("token_ids") or []]
                         lps = [float(x) for x in (choice.get("logprobs") or {}).get(
@@ -417,14 +440,14 @@ class VLLMServerEngine:
                                 f"{server.name()} stopped a sample on token {have[-1:]}, not "
                                 f"on eos {self.eos_id}: its stop tokens are not asyncrl's"
                             )
-                        if reason == "abort":
-                            raise ServerError(f"{server.name()} aborted a request")
-                        done = reason is not None and sample_ended(
+                        done = reason not in (None, "abort") and sample_ended(
                             have, len(job.prefix), self.eos_id, self.max_new_tokens
                         )
-                        received[sample] = (have, have_lps, done)
+                        received[sample] = (have, have_lps, done)  # before an abort's raise
                         with self._lock:
                             self._counters["server_tokens_received"] += len(ids)
+                        if reason == "abort":  # aborted elsewhere (another client)
+                            raise ServerDown(f"{server.name()} aborted a request")
                         if reason is not None:
                             ended.add(sample)
                         for _ in ids:
@@ -433,7 +456,7 @@ class VLLMServerEngine:
                                 version=version,
                             )  # fmt: skip
                 if len(ended) < job.n:
-                    raise ServerError(f"{server.name()}: the stream ended before its samples")
-        except (httpx.HTTPError, ServerError, OSError, ValueError) as err:
+                    raise ServerDown(f"{server.name()}: the stream ended before its samples")
+        except (httpx.TransportError, ServerDown, OSError) as err:
             raise StreamBroken(received, err) from err
         return received
