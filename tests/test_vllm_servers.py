@@ -150,8 +150,8 @@ def test_a_server_killed_mid_stream_hands_its_requests_on_from_the_tokens_receiv
         assert got == returned and gap <= 1e-4
         assert all(int(o.completion_mask.sum(dim=1).max()) <= MAX_NEW for o in outputs)
     assert process_gone(pid, 30)
-    waited = engine._restarts[-1]
-    waited.join(300)  # the restart, in the background
+    for restart in list(engine._restarts):
+        restart.join(300)  # the restart, in the background
     assert engine.servers[0].alive and engine.servers[0].process.pid != pid
 
 
@@ -168,8 +168,9 @@ def test_a_hung_server_is_found_by_its_health_and_replaced(engine, policy, monke
     outputs = engine.generate(requests(policy, count=6, seed=200))
     got, returned = received_equals_returned(engine, outputs, before)
     assert got == returned
-    engine._restarts[-1].join(300)
-    assert engine.metrics()["server_restarts"] == restarts + 1
+    for restart in list(engine._restarts):
+        restart.join(300)
+    assert engine.metrics()["server_restarts"] >= restarts + 1
     assert process_gone(pid, 30) and engine.servers[1].alive
 
 
