@@ -68,6 +68,7 @@ from asyncrl.rollout.servers import (
     wait_healthy,
     write_record,
 )
+from asyncrl.rollout.vllm_engine import VLLMGenerationEngine
 from asyncrl.rollout.weight_sync import WeightSource, weights_to_load
 
 
@@ -87,19 +88,9 @@ class StreamBroken(Exception):
 class VLLMServerEngine:
     """Generation on vLLM servers (see the module docstring)."""
 
-    capabilities: ClassVar[EngineCapabilities] = EngineCapabilities(
-        pinned_versions=True,
-        batch_invariant_noise=False,
-        per_request_seeds=True,
-        continue_from_prefix=True,
-    )
-    missing_reasons: ClassVar[dict[str, str]] = {
-        "batch_invariant_noise": (
-            "vLLM's batched kernels and scheduler change a request's logits with the batch it "
-            "lands in, so a resumed run cannot be bitwise the uninterrupted one"
-        ),
-        "turn_limits": "multi-turn episodes run on the torch engine for now",
-    }
+    # vLLM's, in process or on a server: the same requests (jobs.py), the same limits
+    capabilities: ClassVar[EngineCapabilities] = VLLMGenerationEngine.capabilities
+    missing_reasons: ClassVar[dict[str, str]] = VLLMGenerationEngine.missing_reasons
 
     def __init__(self, spec: EngineSpec, weights: WeightSource) -> None:
         options = dict(spec.options)
