@@ -101,25 +101,10 @@ class VLLMGenerationEngine:
         self._dir = tempfile.mkdtemp(prefix="asyncrl-vllm-", dir=spec.scratch_dir or None)
         weakref.finalize(self, shutil.rmtree, self._dir, ignore_errors=True)
         self._in_process = not options.get("multiprocessing")
-        plain: Any = base_module(spec.model)  # a LoRA model's base (adapters injected)
-        if self._in_process:  # the architecture only: vLLM starts on dummy weights, and the
-            # first `generate` loads the version it asks for (no copy of the model on disk)
-            plain.config.save_pretrained(self._dir)
-        else:  # vLLM's engine process reloads from files, which its dummy format refuses
-            plain.save_pretrained(
-                self._dir, state_dict=plain_state_dict(spec.model), safe_serialization=True
-            )
-        # vLLM stops on every eos id of the generation config (instruct models list several);
-        # asyncrl's samples end at `eos_id` only, as the torch engine's do
-        generation = {"eos_token_id": spec.eos_id, "pad_token_id": spec.pad_id}
-        with open(os.path.join(self._dir, "generation_config.json"), "w") as f:
-            json.dump(generation, f)
-        # reloads from a file (engine process) go to a folder of their own: a sharded first
-        # save's index would otherwise make vLLM read the first weights again
-        self._reload_dir = os.path.join(self._dir, "reload")
-        if not self._in_process:
-            os.makedirs(self._reload_dir)
-            shutil.copy(os.path.join(self._dir, "config.json"), self._reload_dir)
+        # in process the architecture only: vLLM starts on dummy weights, and the first
+        # `generate` loads the version it asks for (no copy of the model on disk); vLLM's
+        # engine process reloads from files, which its dummy format refuses
+        self._reload_dir = write_model_dir(spec, self._dir, with_weights=not self._in_process)
         # a LoRA model comes wrapped only where the adapters are applied here (lora_requests;
         # `asyncrl.models.lora.adapters_in_engine`), else as the plain model, weights merged
         self._lora = _Adapters(spec.model, self._dir) if is_lora(spec.model) else None
@@ -159,10 +144,7 @@ class VLLMGenerationEngine:
             items = [(name, tensor.detach()) for name, tensor in state.items()]
             self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": items})
         else:
-            from safetensors.torch import save_file
-
-            cpu = {k: v.detach().to("cpu").contiguous().clone() for k, v in state.items()}
-            save_file(cpu, os.path.join(self._reload_dir, "model.safetensors"))
+            write_reload_file(state, self._reload_dir)
             self.llm.collective_rpc("reload_weights", kwargs={"weights_path": self._reload_dir})
         if not self.llm.reset_prefix_cache():
             raise RuntimeError(
@@ -222,6 +204,44 @@ class VLLMGenerationEngine:
             ignore_eos=False,
             detokenize=False,
         )
+
+
+def write_model_dir(spec: EngineSpec, directory: str, with_weights: bool) -> str:
+    """The model's folder vLLM starts from (its config, and its weights `with_weights`; a LoRA
+    model's base), a generation config whose only end token is `spec.eos_id`, and the folder
+    later versions are reloaded from (returned; with the config only where weights are
+    written)."""
+    plain: Any = base_module(spec.model)  # a LoRA model's base (adapters injected)
+    if with_weights:
+        plain.save_pretrained(
+            directory, state_dict=plain_state_dict(spec.model), safe_serialization=True
+        )
+    else:
+        plain.config.save_pretrained(directory)
+    # vLLM stops on every eos id of the generation config (instruct models list several);
+    # asyncrl's samples end at `eos_id` only, as the torch engine's do
+    generation = {"eos_token_id": spec.eos_id, "pad_token_id": spec.pad_id}
+    with open(os.path.join(directory, "generation_config.json"), "w") as f:
+        json.dump(generation, f)
+    # reloads from a file go to a folder of their own: a sharded first save's index would
+    # otherwise make vLLM read the first weights again
+    reload_dir = os.path.join(directory, "reload")
+    if with_weights:
+        os.makedirs(reload_dir, exist_ok=True)
+        shutil.copy(os.path.join(directory, "config.json"), reload_dir)
+    return reload_dir
+
+
+def write_reload_file(state: dict[str, torch.Tensor], reload_dir: str) -> None:
+    """A weights version as the file vLLM's `reload_weights` reads (`weights_path`), replaced
+    whole (temp name, rename)."""
+    from safetensors.torch import save_file
+
+    # tied weights (embeddings and output layer) are one tensor: each name gets its own
+    tensors = {k: v.detach().to("cpu").contiguous().clone() for k, v in state.items()}
+    path = os.path.join(reload_dir, "model.safetensors")
+    save_file(tensors, path + ".tmp")
+    os.replace(path + ".tmp", path)
 
 
 VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)

@@ -40,7 +40,6 @@ import httpx
 
 from asyncrl.config import ConfigError
 from asyncrl.faults import fault_point, server_fault_point
-from asyncrl.models.lora import base_module, plain_state_dict
 from asyncrl.rollout.engine import (
     EngineCapabilities,
     EngineSpec,
@@ -68,7 +67,11 @@ from asyncrl.rollout.servers import (
     wait_healthy,
     write_record,
 )
-from asyncrl.rollout.vllm_engine import VLLMGenerationEngine
+from asyncrl.rollout.vllm_engine import (
+    VLLMGenerationEngine,
+    write_model_dir,
+    write_reload_file,
+)
 from asyncrl.rollout.weight_sync import WeightSource, weights_to_load
 
 
@@ -145,21 +148,8 @@ class VLLMServerEngine:
 
     # -- servers ------------------------------------------------------------------------------
 
-    def _write_model(self, spec: EngineSpec) -> None:
-        """The model's files for launched servers (and the reload folder's config)."""
-        plain: Any = base_module(spec.model)
-        plain.save_pretrained(
-            self._dir, state_dict=plain_state_dict(spec.model), safe_serialization=True
-        )
-        # asyncrl's samples end at `eos_id` only, whatever the model's generation config lists
-        generation = {"eos_token_id": spec.eos_id, "pad_token_id": spec.pad_id}
-        with open(os.path.join(self._dir, "generation_config.json"), "w") as f:
-            json.dump(generation, f)
-        os.makedirs(self._reload_dir, exist_ok=True)
-        shutil.copy(os.path.join(self._dir, "config.json"), self._reload_dir)
-
     def _launch(self, spec: EngineSpec, count: int) -> None:
-        self._write_model(spec)
+        write_model_dir(spec, self._dir, with_weights=True)
         for index in range(count):
             server = Server(index, "", log=self.directory / f"server_{index}.log")
             launch(server, self._dir, self.dtype, self.vllm, count)
@@ -257,16 +247,10 @@ class VLLMServerEngine:
             self._counters["server_pause_s"] += time.perf_counter() - started
 
     def _write_version(self, version: int) -> None:
-        from safetensors.torch import save_file
-
         started = time.perf_counter()
         _, state = weights_to_load(self.weights, version, None)
         assert state is not None
-        # tied weights (embeddings and output layer) are one tensor: each name gets its own
-        tensors = {k: v.detach().to("cpu").contiguous().clone() for k, v in state.items()}
-        path = os.path.join(self._reload_dir, "model.safetensors")
-        save_file(tensors, path + ".tmp")
-        os.replace(path + ".tmp", path)
+        write_reload_file(state, self._reload_dir)
         self._file_version = version
         self._counters["engine_weight_updates"] += 1
         self._counters["engine_weight_update_s"] += time.perf_counter() - started
