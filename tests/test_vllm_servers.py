@@ -15,8 +15,10 @@ import json
 import os
 import signal
 import sys
+import threading
 from pathlib import Path
 
+import httpx
 import launcher
 import pytest
 import torch
@@ -114,22 +116,15 @@ def test_servers_sample_with_the_trainers_log_probs_and_answer_each_seed_alike(e
     assert tokens[0] == tokens[1]
 
 
-@pytest.mark.parametrize("control", ["", "drops", "starts-over"])
 def test_a_server_killed_mid_stream_hands_its_requests_on_from_the_tokens_received(
-    engine, policy, monkeypatch, control
+    engine, policy, monkeypatch
 ):
     """Server 0 is SIGKILLed at the 3rd token it streamed, with ~100 samples to generate (far more
     than it sends before this thread reads its 3rd token): its requests continue on server 1
     from the tokens that arrived, and server 0 is restarted. Every token received is returned
     once, each sample within its budget, and each token's log-prob is the trainer's given the
     tokens before it (a continuation that did not start from the received tokens would not
-    be). Controls: a failover that drops what arrived (asked for again: more received than
-    returned), and one that keeps it but continues from the job's start (caught by the
-    log-probs)."""
-    if control == "drops":  # what arrived is thrown away, and asked for again
-        monkeypatch.setattr(engine, "_hand_on", lambda job, got: ({}, continue_job(job, {})))
-    if control == "starts-over":  # kept, but the continuation ignores it
-        monkeypatch.setattr(engine, "_hand_on", lambda job, got: (got, continue_job(job, {})))
+    be: the controls below)."""
     monkeypatch.setattr(faults, "_SERVER_SIGNAL", signal.SIGKILL)
     stages = faults.parse("server.tokens_received[server=0]:3", "ASYNCRL_SERVER_FAULT")
     batch = requests(policy, count=12, samples=8, seed=100)
@@ -150,6 +145,45 @@ def test_a_server_killed_mid_stream_hands_its_requests_on_from_the_tokens_receiv
     assert after["server_failovers"] > before["server_failovers"]
     assert all(bool(o.finished_rows().all()) for o in outputs)  # every sample to its end
     got, returned = received_equals_returned(engine, outputs, before["server_tokens_received"])
+    assert got == returned and logprob_gap(policy, batch, outputs) <= 1e-4
+    assert all(int(o.completion_mask.sum(dim=1).max()) <= MAX_NEW for o in outputs)
+    assert process_gone(pid, 30)
+    assert engine.servers[0].alive and engine.servers[0].process.pid != pid
+
+
+@pytest.mark.parametrize("control", ["", "drops", "starts-over"])
+def test_the_oracles_catch_a_failover_that_asks_again_or_ignores_what_arrived(
+    engine, policy, monkeypatch, control
+):
+    """The same hand-on, on a stream that breaks client-side at server 0's 3rd token (a read
+    error; the server lives, so no restart): with the engine's failover every oracle holds;
+    a failover that drops what arrived (asked for again) receives more than it returns, and
+    one that keeps it but continues from the job's start samples tokens whose log-probs are
+    not the trainer's given the tokens before them."""
+    if control == "drops":
+        monkeypatch.setattr(engine, "_hand_on", lambda job, got: ({}, continue_job(job, {})))
+    if control == "starts-over":
+        monkeypatch.setattr(engine, "_hand_on", lambda job, got: (got, continue_job(job, {})))
+    trigger = faults.Trigger(faults.parse("server.tokens_received[server=0]:3", "test"))
+
+    lock = threading.Lock()  # streams are read on several threads
+
+    def read_error(name, send, **facts):
+        with lock:
+            reached = trigger.passed(name, facts)
+        if reached:
+            raise httpx.ReadError("the stream broke (test)")
+
+    monkeypatch.setattr(vllm_server, "server_fault_point", read_error)
+    batch = requests(policy, count=12, samples=8, seed=300)
+    before = engine.metrics()
+    outputs = engine.generate(batch)
+    after = engine.metrics()
+    assert after["server_failovers"] == before["server_failovers"] + 1
+    assert after["server_tokens_kept"] > before["server_tokens_kept"]
+    assert after["server_restarts"] == before["server_restarts"]  # it answered /health
+    assert all(bool(o.finished_rows().all()) for o in outputs)
+    got, returned = received_equals_returned(engine, outputs, before["server_tokens_received"])
     gap = logprob_gap(policy, batch, outputs)
     if control == "drops":
         assert got > returned  # the dropped tokens were generated again
@@ -157,9 +191,6 @@ def test_a_server_killed_mid_stream_hands_its_requests_on_from_the_tokens_receiv
         assert gap > 1e-3  # tokens sampled without the ones before them
     else:
         assert got == returned and gap <= 1e-4
-        assert all(int(o.completion_mask.sum(dim=1).max()) <= MAX_NEW for o in outputs)
-    assert process_gone(pid, 30)
-    assert engine.servers[0].alive and engine.servers[0].process.pid != pid
 
 
 def test_a_hung_server_is_found_by_its_health_and_replaced(engine, policy, monkeypatch):
