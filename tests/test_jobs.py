@@ -1,6 +1,7 @@
-"""The vLLM engines' requests (`asyncrl/rollout/jobs.py`), the servers' config and what a
-killed launch left (`asyncrl/rollout/servers.py`'s `stop_stale`): plain data, hand-counted,
-and real processes standing in for servers (no vLLM)."""
+"""The vLLM engines' requests (`asyncrl/rollout/jobs.py`), the servers' config, what a killed
+launch left (`asyncrl/rollout/servers.py`'s `stop_stale`) and what an attached server must be
+(`attach_problems`): plain data, hand-counted, and real processes standing in for servers (no
+vLLM)."""
 
 from __future__ import annotations
 
@@ -20,7 +21,7 @@ from asyncrl.core.seeds import continued_seed
 from asyncrl.faults import parse
 from asyncrl.rollout.engine import GenerationRequest
 from asyncrl.rollout.jobs import Job, assemble_output, continue_job, merge_pieces, plan_jobs
-from asyncrl.rollout.servers import MARK, RECORD, _start_time, stop_stale
+from asyncrl.rollout.servers import MARK, RECORD, _start_time, attach_problems, stop_stale
 
 
 def test_a_fresh_request_is_one_job_and_continued_samples_one_each():
@@ -149,3 +150,28 @@ def test_a_killed_launchs_servers_are_stopped_at_the_next_and_nothing_else(tmp_p
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
+
+
+SERVED = {"model": "/models/m", "dtype": "torch.float32", "logprobs_mode": "processed_logprobs"}
+OURS = {"architectures": ["LlamaForCausalLM"], "vocab_size": 15, "hidden_size": 128,
+        "num_hidden_layers": 2, "num_key_value_heads": 4}  # fmt: skip
+
+
+def test_an_attached_server_of_this_runs_model_dtype_and_log_probs_is_taken():
+    assert attach_problems(SERVED, dict(OURS), OURS, "float32") == []
+    # a model this machine cannot read: only what the server says is checked
+    assert attach_problems(SERVED, None, OURS, "float32") == []
+    # fields one side lacks are not compared
+    assert attach_problems(SERVED, {"vocab_size": 15, "rope_theta": 1.0}, OURS, "float32") == []
+
+
+def test_an_attached_server_of_another_model_dtype_or_log_probs_is_refused_naming_each():
+    other = {**OURS, "vocab_size": 49152, "num_hidden_layers": 30}
+    problems = attach_problems(SERVED, other, OURS, "float32")
+    assert len(problems) == 2
+    assert "vocab_size 49152, this run's 15" in problems[0]
+    assert "num_hidden_layers 30, this run's 2" in problems[1]
+    raw = {**SERVED, "logprobs_mode": "raw_logprobs", "dtype": "torch.bfloat16"}
+    problems = attach_problems(raw, None, OURS, "float32")
+    assert "--logprobs-mode processed_logprobs" in problems[0] and "raw_logprobs" in problems[0]
+    assert "--dtype float32" in problems[1] and "rollout.dtype=bfloat16" in problems[1]

@@ -219,9 +219,10 @@ def test_a_hung_server_is_found_by_its_health_and_replaced(engine, policy, monke
     assert process_gone(pid, 30) and engine.servers[1].alive
 
 
-def cli(run: Path, *extra: str, fault: str = "", fault_signal: str = ""):
+def cli(run: Path, *extra: str, fault: str = "", fault_signal: str = "",
+        servers: str = "rollout.servers.launch=1"):  # fmt: skip
     command = [sys.executable, "-m", "asyncrl.cli", "train", str(ROOT / "configs/demo.yaml"),
-               "--run-dir", str(run), "rollout.engine=vllm_server", "rollout.servers.launch=1",
+               "--run-dir", str(run), "rollout.engine=vllm_server", servers,
                "rollout.vllm.kv_cache_bytes=33554432", "run.max_num_steps=8",
                "checkpoint.save_period=2", "rollout.chunk_tokens=2",
                "rollout.num_prompts_per_step=8", "rollout.num_generations_per_prompt=4",
@@ -273,3 +274,43 @@ def test_a_killed_trainers_servers_are_stopped_at_the_relaunch_and_sigterm_stops
     assert resume["from_step"] >= 1
     assert resume["regenerated_tokens"] == 0  # lossless: the checkpoint's partials continued
     assert audit_run_dir(run).ok, audit_run_dir(run).violations
+
+
+def test_a_killed_trainer_reattaches_loads_the_checkpoints_weights_first_and_ctrl_c_leaves_them(
+    engine, tmp_path
+):
+    """Servers the user runs (this file's two, attached by URL): the trainer SIGKILLed at its
+    publish of step 7, after its checkpoint of step 4, leaves them holding newer weights (what
+    `/weight_info` says). The relaunch attaches, aborts what was left running, loads the
+    checkpoint's weights into each before its first request (each resumed step's tokens sampled
+    with the trainer's weights have the trainer's log-probs: a server still on newer weights
+    would not), resumes losslessly, and at Ctrl-C (SIGINT) checkpoints and exits 75 with both
+    servers left running. Runs last: the servers then hold the run's weights, not the
+    fixture's."""
+    urls = "rollout.servers.urls=" + ",".join(s.url for s in engine.servers)
+    run = tmp_path / "run"
+    plan = ("run.max_num_steps=12", "checkpoint.save_period=4")
+    done = cli(run, *plan, fault="train.weights_published[step=7]", servers=urls)
+    assert done.returncode == -signal.SIGKILL, done.stdout[-2000:] + done.stderr[-3000:]
+    held = [engine.servers[i].control.get(engine.servers[i].url + "/weight_info").json()
+            for i in (0, 1)]  # fmt: skip
+    newest = max(int(h["weight_version"]) for h in held)
+    done = cli(run, *plan, fault="train.weights_published[step=7]", fault_signal="SIGINT",
+               servers=urls)  # fmt: skip
+    assert done.returncode == 75, done.stdout[-2000:] + done.stderr[-3000:]
+    assert "attached to 2 vLLM server(s)" in done.stdout
+    assert "request(s) left running aborted" in done.stdout
+    (resume,) = [e for e in read_records(run / "events.jsonl") if e["event"] == "resume"]
+    assert resume["from_step"] == 4 < newest  # the servers held newer weights than step 4's
+    assert resume["regenerated_tokens"] == 0
+    resumed = [r for r in read_records(run / "metrics.jsonl") if r["step"] >= 4]
+    assert sum(r["mismatch_tokens"] for r in resumed) > 0
+    assert all(r.get("mismatch_max_abs_diff", 0.0) <= 1e-3 for r in resumed), resumed
+    assert all(s.healthy(timeout=10) for s in engine.servers)  # attached: left running
+    assert not (run / "servers" / "launched.json").exists()
+    assert audit_run_dir(run).ok, audit_run_dir(run).violations
+    # another model on the same servers: refused at attach, in one line naming the key
+    done = cli(tmp_path / "other", "model.hidden_size=64", servers=urls)
+    assert done.returncode == 2, done.stdout[-2000:] + done.stderr[-3000:]
+    (line,) = [x for x in done.stderr.splitlines() if "rollout.servers.urls" in x]
+    assert "hidden_size 128, this run's 64: it serves another model" in line

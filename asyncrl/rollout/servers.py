@@ -296,3 +296,47 @@ def stop(servers: list[Server], grace: float = 10.0) -> None:
     for server in servers:
         server.client.close()
         server.control.close()
+
+
+MODEL_FIELDS = (
+    "architectures",
+    "vocab_size",
+    "hidden_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "intermediate_size",
+)
+"""What makes an attached server's model this run's, as far as weights go (its Hugging Face
+config's fields): same names and shapes, so this run's weights load into it."""
+
+
+def attach_problems(
+    served: dict[str, Any], theirs: dict[str, Any] | None, ours: dict[str, Any], dtype: str
+) -> list[str]:
+    """Why an attached server cannot serve this run: `served` is its `/server_info` model
+    config, `theirs` its model's Hugging Face config (None where this machine cannot read it),
+    `ours` this run's model config, `dtype` `rollout.dtype`. Empty: it can (its weights are
+    then replaced by this run's before its first request)."""
+    problems = []
+    mode = served.get("logprobs_mode")
+    if mode != "processed_logprobs":
+        problems.append(
+            f"it gives {mode} log-probs: start it with --logprobs-mode processed_logprobs (the "
+            "log-probs of the distribution it samples, after temperature, which the trainer's "
+            "importance ratios compare with)"
+        )
+    served_dtype = str(served.get("dtype", "")).removeprefix("torch.")
+    if served_dtype != dtype:
+        problems.append(
+            f"it computes in {served_dtype}, this run's rollout.dtype is {dtype}: start it "
+            f"with --dtype {dtype}, or set rollout.dtype={served_dtype}"
+        )
+    if theirs is not None:
+        for key in MODEL_FIELDS:
+            if None not in (theirs.get(key), ours.get(key)) and theirs[key] != ours[key]:
+                problems.append(
+                    f"its model ({served.get('model')}) has {key} {theirs[key]!r}, this run's "
+                    f"{ours[key]!r}: it serves another model"
+                )
+    return problems

@@ -60,6 +60,7 @@ from asyncrl.rollout.servers import (
     Server,
     ServerDown,
     ServerError,
+    attach_problems,
     launch,
     log_tail,
     stop,
@@ -73,6 +74,18 @@ from asyncrl.rollout.vllm_engine import (
     write_reload_file,
 )
 from asyncrl.rollout.weight_sync import WeightSource, weights_to_load
+
+
+def _hf_config(model: str) -> dict[str, Any] | None:
+    """The Hugging Face config of the model a server was started on, where this machine can
+    read it (a local folder, or a hub id in the local cache); None where not."""
+    try:
+        from transformers import AutoConfig
+
+        config: dict[str, Any] = AutoConfig.from_pretrained(model, local_files_only=True).to_dict()
+        return config
+    except Exception:  # not readable here: another node's folder, a hub id not cached
+        return None
 
 
 class ProtocolError(RuntimeError):
@@ -138,7 +151,7 @@ class VLLMServerEngine:
         urls = list(self.settings.get("urls") or [])
         try:
             if urls:
-                self._attach(urls)
+                self._attach(spec, urls)
             else:
                 self._launch(spec, int(self.settings.get("launch", 1)))
         except BaseException:
@@ -162,21 +175,55 @@ class VLLMServerEngine:
             + f" (logs in {self.directory})"
         )
 
-    def _attach(self, urls: list[str]) -> None:
+    def _attach(self, spec: EngineSpec, urls: list[str]) -> None:
+        """Checks each server can serve this run (ConfigError naming `rollout.servers.urls`
+        and the URL, in one line, where not), aborts what a killed trainer left running on it
+        and resumes it if that trainer paused it; no version of ours is on it until the first
+        batch loads one."""
+        write_model_dir(spec, self._dir, with_weights=False)
         os.makedirs(self._reload_dir, exist_ok=True)
+        shutil.copy(os.path.join(self._dir, "config.json"), self._reload_dir)
+        with open(os.path.join(self._dir, "config.json")) as f:
+            ours = json.load(f)  # as a launched server would get it (save_pretrained's)
+        aborted = 0
         for index, url in enumerate(urls):
             server = Server(index, url.rstrip("/").removesuffix("/v1"))
+            where = f"rollout.servers.urls: {server.url}"
             if not server.healthy(timeout=self.health_timeout):
                 raise ConfigError(
-                    f"rollout.servers.urls: {server.url} does not answer /health (is the "
-                    "server running, and the URL and port right?)"
+                    f"{where} does not answer /health (is the server running, and the URL "
+                    "and port right?)"
                 )
-            models = server.client.get(server.url + "/v1/models", timeout=30).json()
+            info = server.control.get(
+                server.url + "/server_info", params={"config_format": "json"}, timeout=30
+            )
+            if info.status_code == 404:
+                raise ConfigError(
+                    f"{where} has no /server_info: start it with VLLM_SERVER_DEV_MODE=1 "
+                    "(weights are pushed through its dev-mode routes)"
+                )
+            served = info.json()["vllm_config"]["model_config"]
+            theirs = _hf_config(str(served.get("model", "")))
+            problems = attach_problems(served, theirs, ours, self.dtype)
+            if problems:
+                raise ConfigError(f"{where} cannot serve this run: " + "; ".join(problems))
+            if theirs is None:
+                print(
+                    f"asyncrl: {server.url} serves {served.get('model')}, which this machine "
+                    "cannot read: its architecture is not checked, only its dtype and log-probs"
+                )
+            models = server.control.get(server.url + "/v1/models", timeout=30).json()
             server.model = models["data"][0]["id"]
-            # a trainer killed mid-request left its requests running: they go first
-            server.post("/abort_requests", {"request_ids": []})
+            # a trainer killed mid-request left its requests running, or paused mid-load
+            aborted += int((server.post("/abort_requests", {}) or {}).get("aborted", 0))
+            if server.control.get(server.url + "/is_paused", timeout=30).json().get("is_paused"):
+                server.post("/resume")
             self.servers.append(server)
-        print(f"asyncrl: attached to {len(urls)} vLLM server(s): " + ", ".join(urls))
+        print(
+            f"asyncrl: attached to {len(urls)} vLLM server(s): {', '.join(urls)}; "
+            f"{aborted} request(s) left running aborted; this run's weights load into each "
+            "before its first request"
+        )
 
     def _restart(self, server: Server) -> None:
         """Kills what is left of a launched server and starts it again (its budget counted);
