@@ -13,6 +13,7 @@ environment that can only restart, call recorded steps again and say so in the r
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -77,6 +78,13 @@ def run_to(run: Path, repo_root: Path, env_name: str, fault: str = "", skip: str
     proc = launch(run, repo_root, env_name, fault, skip, extra)
     out, _ = proc.communicate(timeout=480)
     return proc.returncode, proc.pid, out
+
+
+def parse_or_none(line: str) -> dict | None:
+    try:
+        return json.loads(line)
+    except json.JSONDecodeError:
+        return None
 
 
 def calls(run: Path) -> list[tuple[int, str]]:
@@ -261,8 +269,11 @@ def test_a_restart_environment_continues_a_first_turn_that_asked_no_step(
         # slower side (3.8 s against 2.0 s of training over 12 steps here), as in one process
         ["train.num_processes=2", "rollout.max_new_tokens=24", "env.max_episode_tokens=56"],
         ["model.lora.rank=4"],  # LoRA adapters
+        # vLLM in process: its per-turn limits (no chunks: a turn is one call, which stops
+        # it), each turn continued from the episode's tokens
+        ["rollout.engine=vllm", "rollout.vllm.kv_cache_bytes=33554432", "rollout.chunk_tokens=0"],
     ],
-    ids=["chunked", "2-ranks", "lora"],
+    ids=["chunked", "2-ranks", "lora", "vllm"],
 )
 def test_killed_past_the_checkpoint_a_default_mode_run_asks_each_step_once_with_one_text(
     tmp_path, repo_root, variant
@@ -296,3 +307,9 @@ def test_killed_past_the_checkpoint_a_default_mode_run_asks_each_step_once_with_
     assert all(e["turns_regenerated"] == 0 for e in events)
     assert sum(e["turns_recovered"] for e in events) > 0
     assert audit_run_dir(run).ok, audit_run_dir(run).violations
+    # every turn stopped at its limit (rollout.max_new_tokens a turn) or sooner, at EOS; the
+    # steps log's requests hold each turn's tokens (a torn last line of a kill is skipped)
+    cap = 24 if "rollout.max_new_tokens=24" in variant else 2
+    lines = (run / "env_steps.jsonl").read_text().splitlines()
+    turns = [r for r in map(parse_or_none, lines) if r and r["kind"] == "request"]
+    assert turns and max(len(r["tokens"]) for r in turns) == cap

@@ -20,7 +20,14 @@ from asyncrl.config.engines import url_problem
 from asyncrl.core.seeds import continued_seed
 from asyncrl.faults import parse
 from asyncrl.rollout.engine import GenerationRequest
-from asyncrl.rollout.jobs import Job, assemble_output, continue_job, merge_pieces, plan_jobs
+from asyncrl.rollout.jobs import (
+    Job,
+    assemble_output,
+    continue_job,
+    merge_pieces,
+    plan_jobs,
+    sample_ended,
+)
 from asyncrl.rollout.servers import MARK, RECORD, _start_time, attach_problems, stop_stale
 
 
@@ -29,7 +36,7 @@ def test_a_fresh_request_is_one_job_and_continued_samples_one_each():
     cont = GenerationRequest([7], 3, noise_seed=12, prefixes=((1, 2), (), (3,)),
                              finished=(False, False, True))  # fmt: skip
     jobs, done = plan_jobs([fresh, cont], max_new_tokens=4, max_tokens=None)
-    assert jobs[0] == Job(0, (0, 1, 2), (5, 6), (), 11, 4, 11)
+    assert jobs[0] == Job(0, (0, 1, 2), (5, 6), (), 11, 4, 11, 4)
     assert [j.samples for j in jobs[1:]] == [(0,), (1,)]  # sample 2 finished: no job
     assert jobs[1].prompt == [7, 1, 2] and jobs[1].max_tokens == 2  # 4 - 2 so far
     assert jobs[1].seed == continued_seed(12, 0, 2)
@@ -39,11 +46,39 @@ def test_a_fresh_request_is_one_job_and_continued_samples_one_each():
     assert [j.max_tokens for j in chunk] == [1, 1, 1]
 
 
+def test_an_episode_turn_ends_each_sample_at_its_own_limit():
+    """Turn limits (`GenerationRequest.limits`, the length with the prefix at which the turn
+    ends): each sample's budget is its limit less its episode so far, capped by max_new_tokens
+    and by a chunk; a sample at its limit gets no job; it ends (finished) at its limit."""
+    first = GenerationRequest([5], 2, noise_seed=3, limits=(6, 6))  # a first turn, one limit
+    later = GenerationRequest([5], 3, noise_seed=4, prefixes=((1, 2, 9, 9), (1,), (1, 2, 3)),
+                              limits=(7, 5, 3))  # fmt: skip
+    jobs, done = plan_jobs([first, later], max_new_tokens=8, max_tokens=None)
+    assert [(j.samples, j.max_tokens, j.end) for j in jobs] == [
+        ((0, 1), 6, 6),
+        ((0,), 3, 7),  # 7 - 4 so far
+        ((1,), 4, 5),
+    ]
+    assert done == [[False, False], [False, False, True]]  # sample 2 is at its limit
+    assert sample_ended([4, 4, 4], 4, eos_id=2, end=jobs[1].end)  # its limit: finished
+    assert not sample_ended([4, 4], 4, eos_id=2, end=jobs[1].end)
+    assert sample_ended([2], 4, eos_id=2, end=jobs[1].end)  # EOS: its turn ends sooner
+    # first turns with different limits: one job each, seeded as continued from nothing
+    mixed = GenerationRequest([5], 2, noise_seed=3, limits=(2, 9))
+    jobs, _ = plan_jobs([mixed], max_new_tokens=8, max_tokens=1)
+    assert [(j.samples, j.max_tokens, j.end) for j in jobs] == [((0,), 1, 2), ((1,), 1, 8)]
+    assert jobs[1].seed == continued_seed(3, 1, 0)
+    # broken mid-turn, a job continues to the same end
+    jobs, _ = plan_jobs([mixed], max_new_tokens=8, max_tokens=None)
+    (rest,) = continue_job(jobs[1], {1: ([4], [-0.1], False)})
+    assert (rest.prefix, rest.max_tokens, rest.end) == ((4,), 7, 8)
+
+
 def test_a_broken_job_continues_each_unfinished_sample_from_its_last_received_token():
     """The tokens that arrived are the continued jobs' prefixes (never asked for again), each
     seeded as a partial generation cut there, with the rest of the budget; ended samples and
     samples at their budget get no job."""
-    job = Job(3, (0, 1, 2, 3), (9, 9), (), 40, 6, 40)
+    job = Job(3, (0, 1, 2, 3), (9, 9), (), 40, 6, 40, 6)
     received = {0: ([1, 2], [-0.1, -0.2], False), 1: ([4], [-0.4], True),
                 3: ([1] * 6, [-0.5] * 6, False)}  # fmt: skip
     rest = continue_job(job, received)

@@ -151,6 +151,31 @@ def test_a_server_killed_mid_stream_hands_its_requests_on_from_the_tokens_receiv
     assert engine.servers[0].alive and engine.servers[0].process.pid != pid
 
 
+def test_an_episodes_turn_continues_its_tokens_and_stops_at_its_own_limit(engine, policy):
+    """A multi-turn episode's next turn on a server: each sample continues its episode's token
+    ids (earlier turns and the environment's replies, never re-tokenized), stops at its own
+    limit (`GenerationRequest.limits`, the length with the episode so far) or sooner at EOS,
+    reported finished (its turn ended), with each token's log-prob the trainer's given the
+    whole episode before it."""
+    ids = policy.tokenizer
+    prompt = ids("3+4=", add_special_tokens=False)["input_ids"]
+    prefixes = tuple(tuple(ids(text, add_special_tokens=False)["input_ids"])
+                     for text in ("7=1", "2", "45=09"))  # fmt: skip
+    limits = (5, 4, 7)  # 2, 3 and 2 tokens more
+    request = GenerationRequest(prompt, 3, noise_seed=5, prefixes=prefixes, limits=limits)
+    (out,) = engine.generate([request])
+    assert bool(out.finished.all())
+    for i, prefix in enumerate(prefixes):
+        got = out.completion_ids[i][out.completion_mask[i]].tolist()
+        room = limits[i] - len(prefix)
+        assert len(got) == room or (0 < len(got) < room and got[-1] == policy.eos_id), (i, got)
+        with torch.no_grad():
+            mask = torch.ones(1, len(got), dtype=torch.bool)
+            full, _ = completion_logprobs(policy.model, [prompt + list(prefix)],
+                                          torch.tensor([got]), mask, 0.8, 0)  # fmt: skip
+        assert float((full[0] - out.logprobs[i, : len(got)]).abs().max()) <= 1e-4
+
+
 @pytest.mark.parametrize("control", ["", "drops", "starts-over"])
 def test_the_oracles_catch_a_failover_that_asks_again_or_ignores_what_arrived(
     engine, policy, monkeypatch, control

@@ -3,10 +3,12 @@
 (`vllm_server.py`). Plain data and arithmetic: unit-tested without vLLM (tests/test_jobs.py).
 
 A fresh request is one job with n = G samples and seed = its noise seed (vLLM gives sample i
-seed + i). A continued sample (partial generations) is a job of its own over prompt + prefix,
-n = 1, seeded by (noise seed, sample, tokens so far): wherever a sample was cut, its next token
-draws the same noise. A job cut short (a server died mid-stream) continues the same way from
-the tokens that arrived: `continue_job`.
+seed + i). A continued sample (partial generations, an episode's next turn) is a job of its own
+over prompt + prefix, n = 1, seeded by (noise seed, sample, tokens so far): wherever a sample
+was cut, its next token draws the same noise. Each job ends its samples at EOS or at `end`
+tokens (`max_new_tokens`, or an episode turn's limit: `GenerationRequest.limits`). A job cut
+short (a server died mid-stream) continues the same way from the tokens that arrived:
+`continue_job`.
 """
 
 from __future__ import annotations
@@ -33,6 +35,9 @@ class Job:
     seed: int
     max_tokens: int
     noise_seed: int
+    end: int
+    """The length (prefix included) at which its samples end in this call: `max_new_tokens`,
+    or an episode turn's limit (`GenerationRequest.limits`); reported finished there."""
 
     @property
     def n(self) -> int:
@@ -60,26 +65,29 @@ def plan_jobs(
         done = request.done_before(max_new_tokens)
         done_before.append(done)
         prompt = tuple(request.prompt_ids)
-        if not request.prefixes:
-            budget = min(max_tokens or max_new_tokens, max_new_tokens)
-            jobs.append(Job(index, tuple(range(g)), prompt, (), request.noise_seed, budget,
-                            request.noise_seed))  # fmt: skip
+        ends = [request.limit(i, max_new_tokens) for i in range(g)]
+        if not request.prefixes and len(set(ends)) == 1:  # one job, seeded as a group
+            if not all(done):
+                budget = min(max_tokens or ends[0], ends[0])
+                jobs.append(Job(index, tuple(range(g)), prompt, (), request.noise_seed, budget,
+                                request.noise_seed, ends[0]))  # fmt: skip
             continue
+        # continued samples, and first turns whose limits differ: one job per sample
         for i in range(g):
             if not done[i]:
-                prefix = tuple(request.prefixes[i])
-                room = max_new_tokens - len(prefix)
+                prefix = tuple(request.prefixes[i]) if request.prefixes else ()
+                room = ends[i] - len(prefix)
                 jobs.append(_continued(index, i, prompt, prefix, request.noise_seed,
-                                       min(max_tokens or room, room)))  # fmt: skip
+                                       min(max_tokens or room, room), ends[i]))  # fmt: skip
     return jobs, done_before
 
 
 def _continued(
     request: int, sample: int, prompt: tuple[int, ...], prefix: tuple[int, ...],
-    noise_seed: int, budget: int,
+    noise_seed: int, budget: int, end: int,
 ) -> Job:  # fmt: skip
     seed = continued_seed(noise_seed, sample, len(prefix))
-    return Job(request, (sample,), prompt, prefix, seed, budget, noise_seed)
+    return Job(request, (sample,), prompt, prefix, seed, budget, noise_seed, end)
 
 
 def continue_job(job: Job, received: dict[int, Piece]) -> list[Job]:
@@ -93,7 +101,7 @@ def continue_job(job: Job, received: dict[int, Piece]) -> list[Job]:
         if not ended and len(ids) < job.max_tokens:
             prefix = job.prefix + tuple(ids)
             rest.append(_continued(job.request, sample, job.prompt_ids, prefix, job.noise_seed,
-                                   job.max_tokens - len(ids)))  # fmt: skip
+                                   job.max_tokens - len(ids), job.end))  # fmt: skip
     return rest
 
 
@@ -124,6 +132,7 @@ def assemble_output(
     return GenerationOutput(tokens, mask, logprobs, version, finished)
 
 
-def sample_ended(ids: list[int], so_far: int, eos_id: int, max_new_tokens: int) -> bool:
-    """A sample ends at EOS or at `max_new_tokens` in all (its prefix included)."""
-    return bool(ids and ids[-1] == eos_id) or so_far + len(ids) >= max_new_tokens
+def sample_ended(ids: list[int], so_far: int, eos_id: int, end: int) -> bool:
+    """A sample ends at EOS or at `end` tokens in all (its prefix included: `Job.end`, the
+    run's `max_new_tokens` or its episode turn's limit)."""
+    return bool(ids and ids[-1] == eos_id) or so_far + len(ids) >= end

@@ -73,13 +73,13 @@ class VLLMGenerationEngine:
         batch_invariant_noise=False,
         per_request_seeds=True,
         continue_from_prefix=True,
+        turn_limits=True,
     )
     missing_reasons: ClassVar[dict[str, str]] = {
         "batch_invariant_noise": (
             "vLLM's batched kernels and scheduler change a request's logits with the batch it "
             "lands in, so a resumed run cannot be bitwise the uninterrupted one"
         ),
-        "turn_limits": "multi-turn episodes run on the torch engine for now",
     }
 
     def __init__(self, spec: EngineSpec, weights: WeightSource) -> None:
@@ -184,7 +184,7 @@ class VLLMGenerationEngine:
                         f"vLLM stopped a sample on token {ids[-1:]} (finish_reason=stop), not on "
                         f"eos {self.eos_id}: its stop tokens are not asyncrl's"
                     )
-                ended = sample_ended(ids, len(job.prefix), self.eos_id, self.max_new_tokens)
+                ended = sample_ended(ids, len(job.prefix), self.eos_id, job.end)
                 per_request[job.request][sample] = (ids, logprobs, ended)
         return [
             assemble_output(request, per_request[i], done_before[i], version, self.pad_id)

@@ -463,7 +463,7 @@ class VLLMServerEngine:
                                 f"on eos {self.eos_id}: its stop tokens are not asyncrl's"
                             )
                         done = reason not in (None, "abort") and sample_ended(
-                            have, len(job.prefix), self.eos_id, self.max_new_tokens
+                            have, len(job.prefix), self.eos_id, job.end
                         )
                         received[sample] = (have, have_lps, done)  # before an abort's raise
                         with self._lock:
