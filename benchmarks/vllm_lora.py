@@ -20,6 +20,12 @@ random 16-token prompts); version_s: publish + update + that generation, the cos
 step puts on the generator. The last line gives requests / merged per size.
 
     .venv/bin/python benchmarks/vllm_lora.py        # `make bench-vllm-lora`, ~6 min
+
+`--engine vllm_server` measures the same on one launched vLLM server
+(`rollout.engine=vllm_server`): merged, each version's file reloaded through `/pause`,
+`/collective_rpc reload_weights`, `/update_weight_version`, `/resume`; requests, each
+version's adapters through `/v1/load_lora_adapter` (the previous one unloaded), the requests
+naming them.
 """
 
 from __future__ import annotations
@@ -27,9 +33,11 @@ from __future__ import annotations
 import argparse
 import copy
 import json
+import shutil
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 
 import torch
@@ -40,11 +48,12 @@ MODES = ["merged", "requests"]
 PROMPTS, SAMPLES, PROMPT_LEN, NEW_TOKENS, RANK = 4, 8, 16, 64, 16
 
 
-def measure(mode: str, size: str) -> dict[str, float]:
+def measure(mode: str, size: str, engine_name: str = "vllm") -> dict[str, float]:
     from asyncrl.config import LoraConfig
     from asyncrl.models.lora import generation_weights, wrap
     from asyncrl.rollout.engine import EngineSpec, GenerationRequest
     from asyncrl.rollout.vllm_engine import VLLMGenerationEngine
+    from asyncrl.rollout.vllm_server import VLLMServerEngine
     from asyncrl.rollout.weight_sync import CopyWeightSync
 
     torch.set_num_threads(2)
@@ -65,11 +74,16 @@ def measure(mode: str, size: str) -> dict[str, float]:
 
     weights = CopyWeightSync()
     new_version(0)
-    options = {"kv_cache_bytes": 512 << 20, "max_model_len": 128}
+    options: dict[str, object] = {"kv_cache_bytes": 512 << 20, "max_model_len": 128}
+    run_dir = tempfile.mkdtemp(prefix="bench-vllm-lora-")
+    if engine_name == "vllm_server":
+        options = {"vllm": options, "servers": {"launch": 1}, "run_dir": run_dir}
     spec = EngineSpec(
-        plain if merged else wrapped, eos_id, eos_id, NEW_TOKENS, 1.0, options=options
-    )
-    engine = VLLMGenerationEngine(spec, weights)
+        plain if merged else wrapped, eos_id, eos_id, NEW_TOKENS, 1.0, options=options,
+        scratch_dir=f"{run_dir}/.scratch",
+    )  # fmt: skip
+    engine_class = VLLMServerEngine if engine_name == "vllm_server" else VLLMGenerationEngine
+    engine = engine_class(spec, weights)
     gen = torch.Generator().manual_seed(0)
     requests = [
         GenerationRequest(
@@ -99,13 +113,16 @@ def measure(mode: str, size: str) -> dict[str, float]:
                 "version_s": publish_s + update_s + gen_s,
             }
         )
+    if engine_name == "vllm_server":
+        engine.shutdown()
+    shutil.rmtree(run_dir, ignore_errors=True)
     return {key: statistics.median(r[key] for r in rows) for key in rows[0]}
 
 
-def run_one(mode: str, size: str) -> dict[str, float]:
+def run_one(mode: str, size: str, engine: str) -> dict[str, float]:
     done = subprocess.run(
-        [sys.executable, __file__, "--one", mode, size], capture_output=True, text=True,
-        timeout=1200,
+        [sys.executable, __file__, "--one", mode, size, engine], capture_output=True,
+        text=True, timeout=1200,
     )  # fmt: skip
     if done.returncode != 0:
         raise SystemExit(f"{mode} {size} failed:\n{done.stderr[-3000:]}")
@@ -113,14 +130,15 @@ def run_one(mode: str, size: str) -> dict[str, float]:
     return result
 
 
-def line(mode: str, size: str, r: dict[str, float]) -> str:
+def line(mode: str, size: str, r: dict[str, float], engine: str) -> str:
+    where = "" if engine == "vllm" else f" ({engine})"
     return (
-        f"{mode} {size}: publish_ms={r['publish_ms']:.0f} update_ms={r['update_ms']:.0f} "
+        f"{mode} {size}{where}: publish_ms={r['publish_ms']:.0f} update_ms={r['update_ms']:.0f} "
         f"gen_tok/s={r['gen_tok_s']:.0f} version_s={r['version_s']:.2f}"
     )
 
 
-def ratios(results: dict[str, dict[str, dict[str, float]]]) -> str:
+def ratios(results: dict[str, dict[str, dict[str, float]]], engine: str) -> str:
     """The last line: requests / merged per size, version_s and gen_tok/s."""
     parts = []
     for size, by_mode in results.items():
@@ -129,13 +147,16 @@ def ratios(results: dict[str, dict[str, dict[str, float]]]) -> str:
             f"{size} version_s x{req['version_s'] / mer['version_s']:.2f} "
             f"gen_tok/s x{req['gen_tok_s'] / mer['gen_tok_s']:.2f}"
         )
-    return "vllm_lora: requests/merged " + ", ".join(parts)
+    where = "" if engine == "vllm" else f" on {engine}"
+    return f"vllm_lora: requests/merged{where} " + ", ".join(parts)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--sizes", nargs="*", default=SIZES)
-    parser.add_argument("--one", nargs=2, metavar=("MODE", "SIZE"), help=argparse.SUPPRESS)
+    parser.add_argument("--engine", choices=["vllm", "vllm_server"], default="vllm")
+    parser.add_argument("--one", nargs=3, metavar=("MODE", "SIZE", "ENGINE"),
+                        help=argparse.SUPPRESS)  # fmt: skip
     args = parser.parse_args()
     if args.one:
         print(json.dumps(measure(*args.one)))
@@ -143,9 +164,9 @@ def main() -> None:
     results: dict[str, dict[str, dict[str, float]]] = {}
     for size in args.sizes:
         for mode in MODES:
-            r = results.setdefault(size, {})[mode] = run_one(mode, size)
-            print(line(mode, size, r), flush=True)
-    print(ratios(results))
+            r = results.setdefault(size, {})[mode] = run_one(mode, size, args.engine)
+            print(line(mode, size, r, args.engine), flush=True)
+    print(ratios(results, args.engine))
 
 
 if __name__ == "__main__":

@@ -280,9 +280,9 @@ def test_an_adapter_on_a_tied_output_layer_is_refused():
 
 
 def test_which_engines_apply_the_adapters_themselves():
-    """The torch engine in this process and vLLM with LoRA requests get the adapters alone
-    (over a base they hold once); vLLM without the key, Ray workers and merge_for_generation
-    get merged weights."""
+    """The torch engine in this process and vLLM (in process or on servers) with LoRA requests
+    get the adapters alone (over a base they hold once); vLLM without the key, Ray workers and
+    merge_for_generation get merged weights."""
     from asyncrl.models.lora import adapters_in_engine
 
     cases = {
@@ -290,6 +290,12 @@ def test_which_engines_apply_the_adapters_themselves():
         ("rollout.engine=vllm",): False,
         ("rollout.engine=vllm", "rollout.vllm.lora_requests=true"): True,
         ("rollout.engine=vllm", "rollout.vllm.lora_requests=true", "rollout.backend=ray"): False,
+        ("rollout.engine=vllm_server", "rollout.servers.launch=1"): False,
+        (
+            "rollout.engine=vllm_server",
+            "rollout.servers.launch=1",
+            "rollout.vllm.lora_requests=true",
+        ): True,
         ("rollout.backend=ray",): False,
         ("model.lora.merge_for_generation=true",): False,
     }

@@ -53,7 +53,8 @@ def engine(policy, tmp_path_factory):
     weights.publish(0, policy.model.state_dict())
     run_dir = tmp_path_factory.mktemp("servers")
     options = {
-        "vllm": {"kv_cache_bytes": 32 << 20, "max_num_seqs": 64},
+        # LoRA enabled, for the LoRA run that attaches to them (its requests alone use it)
+        "vllm": {"kv_cache_bytes": 32 << 20, "max_num_seqs": 64, "max_lora_rank": 8},
         "servers": {"launch": 2, "max_restarts": 12, "health_timeout_s": 20.0},
         "run_dir": str(run_dir),
     }
@@ -218,6 +219,41 @@ def test_the_oracles_catch_a_failover_that_asks_again_or_ignores_what_arrived(
         assert got == returned and gap <= 1e-4
 
 
+def test_a_busy_servers_silent_streams_are_kept_while_it_answers_its_health(engine, policy,
+                                                                          monkeypatch):  # fmt: skip
+    """Server 1 paused (`/pause?mode=keep`: its requests accepted and frozen, its /health
+    answering, as a server whose queue is full) for 3 s, three times the health timeout (1 s
+    here): its streams are silent but it is alive, so none is cut or handed on and nothing is
+    restarted; every token arrives once, from the server that sampled it, after the resume.
+    (A stream read with the health timeout as its read timeout breaks after 1 s of silence and
+    is handed on: the control.)"""
+    monkeypatch.setattr(engine, "health_timeout", 1.0)
+    server = engine.servers[1]
+    engine.generate(requests(policy, count=2, samples=1, seed=600))  # both hold the version
+    before = engine.metrics()
+    server.post("/pause", mode="keep")
+    resumed = threading.Event()
+
+    def resume():
+        server.post("/resume")
+        resumed.set()
+
+    timer = threading.Timer(3.0, resume)
+    timer.start()
+    try:
+        batch = requests(policy, count=12, samples=8, seed=700)
+        outputs = engine.generate(batch)
+    finally:
+        timer.join()
+    after = engine.metrics()
+    assert resumed.is_set()
+    assert after["server_failovers"] == before["server_failovers"]
+    assert after["server_restarts"] == before["server_restarts"]
+    assert all(bool(o.finished_rows().all()) for o in outputs)
+    got, returned = received_equals_returned(engine, outputs, before["server_tokens_received"])
+    assert got == returned and logprob_gap(policy, batch, outputs) <= 1e-4
+
+
 def test_a_hung_server_is_found_by_its_health_and_replaced(engine, policy, monkeypatch):
     """Server 1 stopped (SIGSTOP) mid-stream: nothing arrives and /health does not answer
     within rollout.servers.health_timeout_s (3 s here, for this test); its requests continue on
@@ -242,6 +278,60 @@ def test_a_hung_server_is_found_by_its_health_and_replaced(engine, policy, monke
     got, returned = received_equals_returned(engine, outputs, before)
     assert got == returned
     assert process_gone(pid, 30) and engine.servers[1].alive
+
+
+def test_a_lora_runs_adapters_reach_attached_servers_per_version_over_its_base_loaded_once(
+    engine, tmp_path
+):
+    """`rollout.vllm.lora_requests` on servers (this file's two, attached by URL): each gets
+    the run's frozen base once (`reload_weights`: a base of another seed than the servers'),
+    then each version's adapters through `/v1/load_lora_adapter`, and the requests name the
+    version's adapter. Log-probs are the adapted model's (1e-4), not the base's alone nor the
+    previous version's (controls)."""
+    from asyncrl.config import LoraConfig
+    from asyncrl.models.lora import apply_lora, generation_weights
+
+    config = ModelConfig(lora=LoraConfig(rank=4, alpha=8))
+    lora = load_policy(ModelConfig(), seed=1, alphabet=DIGITS)
+    apply_lora(lora, config, 1)
+    model = lora.model
+
+    def new_adapters(seed: int) -> None:
+        generator = torch.Generator().manual_seed(seed)
+        with torch.no_grad():
+            for name, param in model.named_parameters():
+                if "lora_B" in name:  # a new adapter's B is 0: it would compute the base
+                    param.copy_(torch.randn(param.shape, generator=generator) * 0.5)
+
+    weights = CopyWeightSync(max_versions=2)
+    new_adapters(1)
+    weights.publish(0, generation_weights(model, merged=False))
+    urls = [s.url for s in engine.servers]
+    options = {"vllm": {"kv_cache_bytes": 32 << 20}, "servers": {"urls": urls},
+               "run_dir": str(tmp_path)}  # fmt: skip
+    spec = EngineSpec(model, lora.eos_id, lora.pad_id, MAX_NEW, 0.8, options=options,
+                      scratch_dir=str(tmp_path / ".scratch"))  # fmt: skip
+    attached = vllm_server.VLLMServerEngine(spec, weights)
+    try:
+        batch = requests(lora, count=4, samples=4, seed=400)
+        first = attached.generate(batch)
+        assert logprob_gap(lora, batch, first) <= 1e-4
+        with model.disable_adapter():
+            assert logprob_gap(lora, batch, first) > 1e-2  # the adapters were applied
+        v0 = {k: v.clone() for k, v in model.state_dict().items() if "lora_" in k}
+        new_adapters(2)
+        weights.publish(1, generation_weights(model, merged=False))
+        second = attached.generate(batch)
+        assert all(o.weights_version == 1 for o in second)
+        assert logprob_gap(lora, batch, second) <= 1e-4
+        model.load_state_dict(v0, strict=False)  # version 0's adapters back ...
+        assert logprob_gap(lora, batch, second) > 1e-2  # ... do not explain version 1's
+        assert all(s.base and s.version == 1 for s in attached.servers)
+        assert attached.metrics()["engine_weight_updates"] == 2
+    finally:
+        attached.shutdown()
+        for server in engine.servers:  # they now hold this test's base: reloaded when used
+            server.version = None
 
 
 def cli(run: Path, *extra: str, fault: str = "", fault_signal: str = "",

@@ -37,11 +37,12 @@ class VLLMConfig:
     each weights update then goes through a safetensors file) instead of in the generation
     thread (~5 s; as TRL's colocated mode)."""
     lora_requests: bool = field(default=False, metadata=MAY_CHANGE)
-    """A LoRA run (`model.lora.rank` > 0) in this process: vLLM loads the frozen base once and
-    serves each weights version's adapters as a LoRA request of its own (`enable_lora`; the
-    adapters written to a directory per version, megabytes), instead of reloading the merged
-    weights of every version (`false`). May not change on a LoRA run's resume. Measured in
-    `benchmarks/vllm_lora.py` (docs/lora.md#vllm)."""
+    """A LoRA run (`model.lora.rank` > 0) on vLLM in this process or on its servers: vLLM loads
+    the frozen base once and serves each weights version's adapters as a LoRA request of its
+    own (`enable_lora`; on servers `/v1/load_lora_adapter`; the adapters written to a directory
+    per version, megabytes), instead of reloading the merged weights of every version (`false`).
+    May not change on a LoRA run's resume. Measured in `benchmarks/vllm_lora.py`
+    (docs/lora.md#vllm)."""
 
     def validate(self) -> None:
         for key in ("kv_cache_bytes", "max_model_len"):
@@ -76,9 +77,10 @@ class ServersConfig:
     when none is left (`rollout.max_generation_failures`). Attached servers are never
     restarted."""
     health_timeout_s: float = field(default=30.0, metadata=MAY_CHANGE)
-    """A server whose request stream sends nothing and whose `/health` does not answer for
-    this long is dead (a hung process): its requests continue elsewhere from the tokens
-    received, and a launched one is killed and restarted."""
+    """A server with requests in flight whose `/health` does not answer for this long is dead
+    (a hung process): its streams are cut, its requests continue elsewhere from the tokens
+    received, and a launched one is killed and restarted. A stream's silence alone is not a
+    death: a busy server's queued requests send nothing until they run."""
     start_timeout_s: float = field(default=600.0, metadata=MAY_CHANGE)
     """Longest wait for a launched server to answer `/health` (vLLM's start on CPU: tens of
     seconds)."""

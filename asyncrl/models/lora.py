@@ -230,12 +230,12 @@ def merged_weights(model: nn.Module) -> dict[str, torch.Tensor]:
 def adapters_in_engine(config: Config) -> bool:
     """Whether generation applies the adapters itself on the frozen base, in this process
     (`rollout.backend=threads`): the torch engine runs peft's forward on the trainer's own base
-    weights, vLLM with `rollout.vllm.lora_requests` serves them as LoRA requests over a base
-    it loads once. Otherwise (vLLM without it, Ray workers, `model.lora.merge_for_generation`)
-    generation loads the merged weights of each version."""
+    weights, vLLM with `rollout.vllm.lora_requests` (in process or on its servers) serves them
+    as LoRA requests over a base it loads once. Otherwise (vLLM without it, Ray workers,
+    `model.lora.merge_for_generation`) generation loads the merged weights of each version."""
     rollout, lora = config.rollout, config.model.lora
     engine_does = rollout.engine == "torch" or (
-        rollout.engine == "vllm" and rollout.vllm.lora_requests
+        rollout.engine in ("vllm", "vllm_server") and rollout.vllm.lora_requests
     )
     in_process = engine_does and rollout.backend == "threads"
     return bool(lora.rank) and in_process and not lora.merge_for_generation

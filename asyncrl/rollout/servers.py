@@ -21,6 +21,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -60,6 +61,9 @@ class Server:
     stopped only if that process is still the one started."""
     version: int | None = None
     """The weights version loaded (None: not ours yet, or unknown)."""
+    base: bool = False
+    """A LoRA run's: it holds the run's frozen base (a launched one from its start; an attached
+    one once the base was loaded into it)."""
     alive: bool = True
     restarts: int = 0
     client: httpx.Client = field(
@@ -71,6 +75,10 @@ class Server:
     healthy server look dead)."""
     lock: threading.Lock = field(default_factory=threading.Lock)
     """Held while its weights change."""
+    streams: set[socket.socket] = field(default_factory=set)
+    """The sockets of its open request streams (read without a timeout: a stream may be
+    silent for as long as the server is busy); `cut_streams` breaks them."""
+    streams_lock: threading.Lock = field(default_factory=threading.Lock)
 
     @property
     def launched(self) -> bool:
@@ -98,13 +106,42 @@ class Server:
             )
         if reply.status_code >= 400:
             raise ServerError(f"{self.name()}: POST {route}: {reply.status_code} {reply.text}")
-        return reply.json() if reply.content else None
+        if not reply.content:
+            return None
+        try:
+            return reply.json()
+        except ValueError:  # a plain-text answer (`/v1/load_lora_adapter`'s)
+            return reply.text
 
     def healthy(self, timeout: float) -> bool:
         try:
             return self.control.get(self.url + "/health", timeout=timeout).status_code == 200
         except httpx.HTTPError:
             return False
+
+    @contextlib.contextmanager
+    def watching(self, reply: httpx.Response) -> Iterator[None]:
+        """While open, `reply`'s stream is among those `cut_streams` breaks."""
+        stream = reply.extensions.get("network_stream")
+        sock = stream.get_extra_info("socket") if stream is not None else None
+        if sock is not None:
+            with self.streams_lock:
+                self.streams.add(sock)
+        try:
+            yield
+        finally:
+            with self.streams_lock:
+                self.streams.discard(sock)
+
+    def cut_streams(self) -> int:
+        """Breaks its open streams (their readers get a transport error, as from a dead
+        server); how many."""
+        with self.streams_lock:
+            streams = list(self.streams)
+        for stream in streams:
+            with contextlib.suppress(OSError):
+                stream.shutdown(socket.SHUT_RDWR)
+        return len(streams)
 
     def signal(self, sig: signal.Signals) -> None:
         """Sends `sig` to a launched server's whole process group (its engine and worker)."""
@@ -142,6 +179,9 @@ def server_command(model_dir: str, port: int, dtype: str, vllm: dict[str, Any]) 
         command += ["--kv-cache-memory-bytes", str(int(vllm["kv_cache_bytes"]))]
     if vllm.get("max_model_len"):
         command += ["--max-model-len", str(int(vllm["max_model_len"]))]
+    if vllm.get("max_lora_rank"):  # a LoRA run's adapters, loaded per version at run time
+        command += ["--enable-lora", "--max-lora-rank", str(int(vllm["max_lora_rank"])),
+                    "--max-loras", "2"]  # fmt: skip
     return command
 
 
@@ -150,6 +190,7 @@ def server_env(launched: int = 1) -> dict[str, str]:
     cores (`OMP_NUM_THREADS`, unless set): two servers of 2 threads each on 2 cores decoded
     110 tok/s at 100M here, of 1 thread each 539 (benchmarks/servers.py)."""
     env = {**os.environ, "VLLM_SERVER_DEV_MODE": "1"}
+    env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] = "True"  # /v1/load_lora_adapter (LoRA runs)
     env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // max(1, launched))))
     env.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")  # the trainer shares the cores
     env.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
@@ -180,6 +221,7 @@ def launch(
             start_new_session=True,  # its own group: stopped whole, apart from the trainer's
         )
     server.version = None
+    server.base = True  # started on the run's model folder: its weights (a LoRA run's base)
     server.alive = False
     server.started = _start_time(server.process.pid)
 

@@ -107,7 +107,7 @@ class VLLMGenerationEngine:
         self._reload_dir = write_model_dir(spec, self._dir, with_weights=not self._in_process)
         # a LoRA model comes wrapped only where the adapters are applied here (lora_requests;
         # `asyncrl.models.lora.adapters_in_engine`), else as the plain model, weights merged
-        self._lora = _Adapters(spec.model, self._dir) if is_lora(spec.model) else None
+        self._lora = LoraAdapters(spec.model, self._dir) if is_lora(spec.model) else None
         if self._lora is not None:
             options["max_lora_rank"] = self._lora.max_rank
         self.llm = _start_llm(self._dir, spec, options)
@@ -248,7 +248,7 @@ VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
 """The `max_lora_rank` values vLLM accepts."""
 
 
-class _Adapters:
+class LoraAdapters:
     """A LoRA run's adapters as vLLM takes them: one peft-format directory per weights
     version (only the one in use is kept on disk; an older version asked for again is written
     again from the weight sync), served as `LoRARequest(f"v{version}", version + 1, dir)`."""
@@ -272,6 +272,10 @@ class _Adapters:
         tensors = {k: v.detach().to("cpu").contiguous() for k, v in adapters.items()}
         save_file(tensors, os.path.join(path, "adapter_model.safetensors"))
         self._written[version] = path
+
+    def path(self, version: int) -> str:
+        """The folder version `version`'s adapters were written to."""
+        return self._written[version]
 
     def request(self, version: int) -> Any:
         from vllm.lora.request import LoRARequest

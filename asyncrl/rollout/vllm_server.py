@@ -40,6 +40,7 @@ import httpx
 
 from asyncrl.config import ConfigError
 from asyncrl.faults import fault_point, server_fault_point
+from asyncrl.models.lora import is_lora, split_generation_weights
 from asyncrl.rollout.engine import (
     EngineCapabilities,
     EngineSpec,
@@ -69,6 +70,7 @@ from asyncrl.rollout.servers import (
     write_record,
 )
 from asyncrl.rollout.vllm_engine import (
+    LoraAdapters,
     VLLMGenerationEngine,
     write_model_dir,
     write_reload_file,
@@ -143,6 +145,12 @@ class VLLMServerEngine:
         self._dir = tempfile.mkdtemp(prefix="asyncrl-vllm-server-", dir=scratch)
         weakref.finalize(self, shutil.rmtree, self._dir, ignore_errors=True)
         self._reload_dir = os.path.join(self._dir, "reload")
+        # a LoRA run (`rollout.vllm.lora_requests`): the base once, each version's adapters
+        # through /v1/load_lora_adapter, its requests addressed to them (`v{version}`)
+        self._lora = LoraAdapters(spec.model, self._dir) if is_lora(spec.model) else None
+        if self._lora is not None:
+            self.vllm["max_lora_rank"] = self._lora.max_rank
+        self._base_file = False
         self._file_version: int | None = None
         self._restarts: list[threading.Thread] = []
         self._restart_error: BaseException | None = None
@@ -277,9 +285,28 @@ class VLLMServerEngine:
             if self._file_version != version:
                 self._write_version(version)
         started = time.perf_counter()
+        previous, server.version = server.version, None  # a load that fails halfway: none
+        if self._lora is None:
+            self._reload(server, version)
+        else:
+            if not server.base:  # attached: the base is loaded once
+                self._reload(server, version)
+                server.base = True
+            server.post("/v1/load_lora_adapter",
+                        {"lora_name": f"v{version}", "lora_path": self._lora.path(version)},
+                        timeout=max(self.health_timeout, 600.0))  # fmt: skip
+            if previous is not None:  # in-flight requests of it: none (a batch loads first)
+                server.post("/v1/unload_lora_adapter", {"lora_name": f"v{previous}"})
+            server.post("/update_weight_version", {"new_version": str(version)})
+        server.version = version
+        with self._lock:
+            self._counters["server_pause_s"] += time.perf_counter() - started
+
+    def _reload(self, server: Server, version: int) -> None:
+        """The reload file's weights into `server` (a LoRA run's: its base): pause (in-flight
+        requests kept), reload, tag the version, resume."""
         quick = self.health_timeout  # a hung server is found as a hung stream is
         server.post("/pause", timeout=quick, mode="keep")
-        server.version = None  # a load that fails halfway leaves no version of ours
         try:
             server.post(
                 "/collective_rpc",
@@ -289,15 +316,21 @@ class VLLMServerEngine:
             server.post("/update_weight_version", {"new_version": str(version)}, timeout=quick)
         finally:
             server.post("/resume", timeout=quick)  # never left paused
-        server.version = version
-        with self._lock:
-            self._counters["server_pause_s"] += time.perf_counter() - started
 
     def _write_version(self, version: int) -> None:
+        """Version `version` as the servers read it: the reload file, or for a LoRA run its
+        adapters' folder (and the base's reload file once, for attached servers)."""
         started = time.perf_counter()
         _, state = weights_to_load(self.weights, version, None)
         assert state is not None
-        write_reload_file(state, self._reload_dir)
+        if self._lora is None:
+            write_reload_file(state, self._reload_dir)
+        else:
+            base, adapters = split_generation_weights(state)
+            if not self._base_file and not all(s.base for s in self.servers):
+                write_reload_file(base, self._reload_dir)  # frozen: the same in every version
+                self._base_file = True
+            self._lora.write(version, adapters)
         self._file_version = version
         self._counters["engine_weight_updates"] += 1
         self._counters["engine_weight_update_s"] += time.perf_counter() - started
@@ -314,6 +347,28 @@ class VLLMServerEngine:
         version, _ = weights_to_load(self.weights, version, None)
         jobs, done_before = plan_jobs(requests, self.max_new_tokens, max_tokens)
         pieces: dict[tuple[int, int], Piece] = {}
+        finished = threading.Event()
+        watchdog = threading.Thread(target=self._watch, args=(finished,), daemon=True)
+        watchdog.start()
+        try:
+            self._run_jobs(jobs, version, pieces)
+        finally:
+            finished.set()
+            watchdog.join()
+        fault_point("engine.decode_step")
+        per_request: list[dict[int, Piece]] = [{} for _ in requests]
+        for (request, sample), piece in pieces.items():
+            per_request[request][sample] = piece
+        return [
+            assemble_output(request, per_request[i], done_before[i], version, self.pad_id)
+            for i, request in enumerate(requests)
+        ]
+
+    def _run_jobs(
+        self, jobs: list[Job], version: int, pieces: dict[tuple[int, int], Piece]
+    ) -> None:
+        """Runs `jobs` to their ends over the live servers, all in flight at once, each
+        sample's tokens into `pieces`; a broken stream's job continues from what arrived."""
         pending = list(jobs)
         running: dict[Future[dict[int, Piece]], tuple[Job, Server]] = {}
         load: dict[int, int] = {}
@@ -349,14 +404,17 @@ class VLLMServerEngine:
                     for sample, piece in received.items():
                         key = (job.request, sample)
                         pieces[key] = merge_pieces(pieces[key], piece) if key in pieces else piece
-        fault_point("engine.decode_step")
-        per_request: list[dict[int, Piece]] = [{} for _ in requests]
-        for (request, sample), piece in pieces.items():
-            per_request[request][sample] = piece
-        return [
-            assemble_output(request, per_request[i], done_before[i], version, self.pad_id)
-            for i, request in enumerate(requests)
-        ]
+
+    def _watch(self, done: threading.Event) -> None:
+        """While a batch runs: a server with open streams that does not answer `/health`
+        within `rollout.servers.health_timeout_s` has its streams cut, so their jobs continue
+        elsewhere (`_lost` then finds it dead). A busy server, silent on some streams while
+        it works through its queue, answers `/health` and keeps them."""
+        interval = min(1.0, self.health_timeout / 2)
+        while not done.wait(interval):
+            for server in self.servers:
+                if server.alive and server.streams and not server.healthy(self.health_timeout):
+                    server.cut_streams()
 
     def _hand_on(self, job: Job, received: dict[int, Piece]) -> tuple[dict[int, Piece], list[Job]]:
         """A broken job: what arrived is kept, and the rest continues from it."""
@@ -415,7 +473,7 @@ class VLLMServerEngine:
         try:
             self._load_on(server, version)
             body = {
-                "model": server.model,
+                "model": server.model if self._lora is None else f"v{version}",
                 "prompt": job.prompt,
                 "n": job.n,
                 "seed": job.seed % (1 << 63),
@@ -428,10 +486,15 @@ class VLLMServerEngine:
                 "stop_token_ids": [self.eos_id],
                 "ignore_eos": False,
             }
-            timeout = httpx.Timeout(self.health_timeout, connect=10.0)
-            with server.client.stream(
-                "POST", server.url + "/v1/completions", json=body, timeout=timeout
-            ) as reply:
+            # no read timeout: a busy server's stream may be silent while requests ahead of it
+            # in its queue run; a hung one is found by `_watch` (its /health), which cuts it
+            timeout = httpx.Timeout(None, connect=10.0)
+            with (
+                server.client.stream(
+                    "POST", server.url + "/v1/completions", json=body, timeout=timeout
+                ) as reply,
+                server.watching(reply),
+            ):
                 if reply.status_code != 200:  # a request it refuses: not retried
                     raise ServerError(
                         f"{server.name()}: /v1/completions: {reply.status_code} "
