@@ -2,7 +2,7 @@
 (`rollout.engine=vllm`), on the same requests, on this machine, in one run.
 
 For each size (`demo`: the demo's tiny Llama; `100M`: a random-init Qwen2 of about 100M
-parameters; `smollm2`, not by default: the real model of `make smol-demo`) a fresh process
+parameters; `smollm2`: the real model of `make smol-demo`, prepared offline) a fresh process
 builds each engine — vLLM in process, 1 launched server, 2 launched servers — and reports
 
     ENGINE SIZE: params=P start_s=S gen_tok/s=R update_ms=U pause_ms=Q
@@ -19,7 +19,7 @@ per version (`server_pause_s`). The last line is for the last size:
 
 with R = tok_s_1 / the in-process engine's tok/s (the same requests, one vLLM either way).
 
-    .venv/bin/python benchmarks/servers.py [--sizes demo 100M smollm2]   # `make bench-servers`
+    .venv/bin/python benchmarks/servers.py [--sizes demo 100M smollm2]   # `make bench-servers`, ~5 min
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from engines import NEW_TOKENS, PROMPT_LEN, PROMPTS, SAMPLES, build
 
-SIZES = ["demo", "100M"]
+SIZES = ["demo", "100M", "smollm2"]
 ENGINES = {"vllm": 0, "server_1": 1, "server_2": 2}
 """name -> launched servers (0: vLLM in this process)."""
 
