@@ -19,7 +19,7 @@ per version (`server_pause_s`). The last line is for the last size:
 
 with R = tok_s_1 / the in-process engine's tok/s (the same requests, one vLLM either way).
 
-    .venv/bin/python benchmarks/servers.py [--sizes demo 100M smollm2]   # `make bench-servers`, ~5 min
+    .venv/bin/python benchmarks/servers.py [--sizes demo 100M smollm2]   # make bench-servers, 5 min
 """
 
 from __future__ import annotations
