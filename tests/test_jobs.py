@@ -188,25 +188,42 @@ def test_a_killed_launchs_servers_are_stopped_at_the_next_and_nothing_else(tmp_p
 
 
 SERVED = {"model": "/models/m", "dtype": "torch.float32", "logprobs_mode": "processed_logprobs"}
+INFO = {"vllm_config": {"model_config": SERVED, "lora_config": None}, "vllm_env": {}}
 OURS = {"architectures": ["LlamaForCausalLM"], "vocab_size": 15, "hidden_size": 128,
         "num_hidden_layers": 2, "num_key_value_heads": 4}  # fmt: skip
 
 
+def info(**model_config):
+    return {**INFO, "vllm_config": {"model_config": {**SERVED, **model_config}}}
+
+
 def test_an_attached_server_of_this_runs_model_dtype_and_log_probs_is_taken():
-    assert attach_problems(SERVED, dict(OURS), OURS, "float32") == []
+    assert attach_problems(INFO, dict(OURS), OURS, "float32") == []
     # a model this machine cannot read: only what the server says is checked
-    assert attach_problems(SERVED, None, OURS, "float32") == []
+    assert attach_problems(INFO, None, OURS, "float32") == []
     # fields one side lacks are not compared
-    assert attach_problems(SERVED, {"vocab_size": 15, "rope_theta": 1.0}, OURS, "float32") == []
+    assert attach_problems(INFO, {"vocab_size": 15, "rope_theta": 1.0}, OURS, "float32") == []
+    # a LoRA run: LoRA on, of a rank that holds the adapters, loadable at run time
+    lora = {"vllm_config": {"model_config": SERVED, "lora_config": {"max_lora_rank": 16}},
+            "vllm_env": {"VLLM_ALLOW_RUNTIME_LORA_UPDATING": True}}  # fmt: skip
+    assert attach_problems(lora, None, OURS, "float32", lora_rank=8) == []
 
 
 def test_an_attached_server_of_another_model_dtype_or_log_probs_is_refused_naming_each():
     other = {**OURS, "vocab_size": 49152, "num_hidden_layers": 30}
-    problems = attach_problems(SERVED, other, OURS, "float32")
+    problems = attach_problems(INFO, other, OURS, "float32")
     assert len(problems) == 2
     assert "vocab_size 49152, this run's 15" in problems[0]
     assert "num_hidden_layers 30, this run's 2" in problems[1]
-    raw = {**SERVED, "logprobs_mode": "raw_logprobs", "dtype": "torch.bfloat16"}
+    raw = info(logprobs_mode="raw_logprobs", dtype="torch.bfloat16")
     problems = attach_problems(raw, None, OURS, "float32")
     assert "--logprobs-mode processed_logprobs" in problems[0] and "raw_logprobs" in problems[0]
     assert "--dtype float32" in problems[1] and "rollout.dtype=bfloat16" in problems[1]
+    # a LoRA run on a server without LoRA, or of too small a rank, or without run-time loads
+    problems = attach_problems(INFO, None, OURS, "float32", lora_rank=8)
+    assert "--enable-lora --max-lora-rank 8" in problems[0]
+    assert "VLLM_ALLOW_RUNTIME_LORA_UPDATING=True" in problems[1]
+    small = {"vllm_config": {"model_config": SERVED, "lora_config": {"max_lora_rank": 4}},
+             "vllm_env": {"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True"}}  # fmt: skip
+    (problem,) = attach_problems(small, None, OURS, "float32", lora_rank=8)
+    assert "(it has 4)" in problem

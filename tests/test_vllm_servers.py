@@ -11,6 +11,7 @@ failover that asked again for what had arrived would receive more tokens than it
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -222,23 +223,26 @@ def test_the_oracles_catch_a_failover_that_asks_again_or_ignores_what_arrived(
 def test_a_busy_servers_silent_streams_are_kept_while_it_answers_its_health(engine, policy,
                                                                           monkeypatch):  # fmt: skip
     """Server 1 paused (`/pause?mode=keep`: its requests accepted and frozen, its /health
-    answering, as a server whose queue is full) for 3 s, three times the health timeout (1 s
-    here): its streams are silent but it is alive, so none is cut or handed on and nothing is
-    restarted; every token arrives once, from the server that sampled it, after the resume.
-    (A stream read with the health timeout as its read timeout breaks after 1 s of silence and
-    is handed on: the control.)"""
-    monkeypatch.setattr(engine, "health_timeout", 1.0)
+    answering, as a server whose queue is full) for 6 s, three times the health timeout (2 s
+    here): its streams are open and silent, the watchdog asks its /health, and it answers, so
+    none is cut or handed on and nothing is restarted; every token arrives once, from the
+    server that sampled it, after the resume. (Streams read with the health timeout as their
+    read timeout break after 2 s of silence and are handed on: the control, 19 failovers.)"""
+    monkeypatch.setattr(engine, "health_timeout", 2.0)
     server = engine.servers[1]
     engine.generate(requests(policy, count=2, samples=1, seed=600))  # both hold the version
+    asked = []
+    healthy = server.healthy
+    monkeypatch.setattr(server, "healthy", lambda timeout: asked.append(1) or healthy(timeout))
     before = engine.metrics()
     server.post("/pause", mode="keep")
-    resumed = threading.Event()
+    open_at_resume = []
 
     def resume():
+        open_at_resume.append(len(server.streams))
         server.post("/resume")
-        resumed.set()
 
-    timer = threading.Timer(3.0, resume)
+    timer = threading.Timer(6.0, resume)
     timer.start()
     try:
         batch = requests(policy, count=12, samples=8, seed=700)
@@ -246,7 +250,7 @@ def test_a_busy_servers_silent_streams_are_kept_while_it_answers_its_health(engi
     finally:
         timer.join()
     after = engine.metrics()
-    assert resumed.is_set()
+    assert open_at_resume[0] > 0 and asked  # its streams were open, silent and watched
     assert after["server_failovers"] == before["server_failovers"]
     assert after["server_restarts"] == before["server_restarts"]
     assert all(bool(o.finished_rows().all()) for o in outputs)
@@ -254,30 +258,46 @@ def test_a_busy_servers_silent_streams_are_kept_while_it_answers_its_health(engi
     assert got == returned and logprob_gap(policy, batch, outputs) <= 1e-4
 
 
-def test_a_hung_server_is_found_by_its_health_and_replaced(engine, policy, monkeypatch):
-    """Server 1 stopped (SIGSTOP) mid-stream: nothing arrives and /health does not answer
-    within rollout.servers.health_timeout_s (3 s here, for this test); its requests continue on
-    server 0 and it is killed and restarted."""
+def test_hung_servers_are_found_by_their_health_before_their_reply_and_mid_stream(
+    engine, policy, monkeypatch
+):
+    """Two hangs (SIGSTOP), each placed by state, in one batch: server 0 stopped between
+    batches, so its requests get no reply at all (their headers must come within the health
+    timeout, 3 s here), and server 1 paused and then stopped once its streams are open (silent,
+    read without a timeout: the watchdog finds that its /health does not answer and cuts them).
+    Both are found dead, killed and restarted, and the batch finishes on their restarts, every
+    token received returned once. (A stream without any timeout, before its headers, waited
+    forever for a server stopped between batches: `make test` hung on it once.)"""
     monkeypatch.setattr(engine, "health_timeout", 3.0)
-    stages = faults.parse("server.tokens_received[server=1]:3", "ASYNCRL_SERVER_FAULT")
-    monkeypatch.setattr(faults, "_SERVER_SIGNAL", signal.SIGSTOP)
+    first, second = engine.servers
+    engine.generate(requests(policy, count=2, samples=1, seed=800))  # both hold the version
+    pids = [first.process.pid, second.process.pid]
     restarts = engine.metrics()["server_restarts"]
-    batch = requests(policy, count=12, samples=8, seed=200)
-    # stopped after it had sent its all, it hangs the next batch's requests instead
-    for _attempt in range(3):
-        monkeypatch.setattr(faults, "_SERVER_TRIGGER", faults.Trigger(stages))
-        pid = engine.servers[1].process.pid
-        before = engine.metrics()["server_tokens_received"]
-        outputs = engine.generate(batch)
-        for restart in list(engine._restarts):
-            restart.join(300)
-        if engine.metrics()["server_restarts"] > restarts:
-            break
-    else:
-        pytest.fail("server 1 was never found hung in 3 batches")
+    first.signal(signal.SIGSTOP)
+    second.post("/pause", mode="keep")
+    open_at_stop = []
+
+    def stop_once_streaming():
+        while not second.streams:  # by state: its streams open (headers in, no token)
+            threading.Event().wait(0.01)
+        open_at_stop.append(len(second.streams))
+        second.signal(signal.SIGSTOP)
+
+    stopper = threading.Thread(target=stop_once_streaming, daemon=True)
+    stopper.start()
+    before = engine.metrics()["server_tokens_received"]
+    batch = requests(policy, count=12, samples=8, seed=900)
+    outputs = engine.generate(batch)
+    stopper.join(60)
+    for restart in list(engine._restarts):
+        restart.join(300)
+    assert open_at_stop and open_at_stop[0] > 0
+    assert engine.metrics()["server_restarts"] == restarts + 2
+    assert all(bool(o.finished_rows().all()) for o in outputs)
     got, returned = received_equals_returned(engine, outputs, before)
     assert got == returned
-    assert process_gone(pid, 30) and engine.servers[1].alive
+    assert all(process_gone(pid, 30) for pid in pids)
+    assert all(s.alive and s.process.pid not in pids for s in engine.servers)
 
 
 def test_a_lora_runs_adapters_reach_attached_servers_per_version_over_its_base_loaded_once(
@@ -332,6 +352,8 @@ def test_a_lora_runs_adapters_reach_attached_servers_per_version_over_its_base_l
         attached.shutdown()
         for server in engine.servers:  # they now hold this test's base: reloaded when used
             server.version = None
+            with contextlib.suppress(Exception):
+                server.post("/v1/unload_lora_adapter", {"lora_name": "v1"})
 
 
 def cli(run: Path, *extra: str, fault: str = "", fault_signal: str = "",

@@ -127,6 +127,9 @@ class Server:
         if sock is not None:
             with self.streams_lock:
                 self.streams.add(sock)
+            if not self.alive:  # declared dead meanwhile: not read at all
+                with contextlib.suppress(OSError):
+                    sock.shutdown(socket.SHUT_RDWR)
         try:
             yield
         finally:
@@ -354,12 +357,19 @@ config's fields): same names and shapes, so this run's weights load into it."""
 
 
 def attach_problems(
-    served: dict[str, Any], theirs: dict[str, Any] | None, ours: dict[str, Any], dtype: str
+    info: dict[str, Any],
+    theirs: dict[str, Any] | None,
+    ours: dict[str, Any],
+    dtype: str,
+    lora_rank: int = 0,
 ) -> list[str]:
-    """Why an attached server cannot serve this run: `served` is its `/server_info` model
-    config, `theirs` its model's Hugging Face config (None where this machine cannot read it),
-    `ours` this run's model config, `dtype` `rollout.dtype`. Empty: it can (its weights are
-    then replaced by this run's before its first request)."""
+    """Why an attached server cannot serve this run: `info` is its `/server_info` (JSON),
+    `theirs` its model's Hugging Face config (None where this machine cannot read it), `ours`
+    this run's model config, `dtype` `rollout.dtype`, `lora_rank` a LoRA run's adapters' rank
+    (`rollout.vllm.lora_requests`; 0: none). Empty: it can (its weights are then replaced by
+    this run's before its first request)."""
+    config = info.get("vllm_config") or {}
+    served = config.get("model_config") or {}
     problems = []
     mode = served.get("logprobs_mode")
     if mode != "processed_logprobs":
@@ -381,4 +391,17 @@ def attach_problems(
                     f"its model ({served.get('model')}) has {key} {theirs[key]!r}, this run's "
                     f"{ours[key]!r}: it serves another model"
                 )
+    if lora_rank:
+        lora = config.get("lora_config") or {}
+        if int(lora.get("max_lora_rank") or 0) < lora_rank:
+            problems.append(
+                f"a LoRA run's adapters (rank {lora_rank}) need it started with --enable-lora "
+                f"--max-lora-rank {lora_rank} (it has {lora.get('max_lora_rank')})"
+            )
+        runtime = (info.get("vllm_env") or {}).get("VLLM_ALLOW_RUNTIME_LORA_UPDATING")
+        if str(runtime).lower() not in ("true", "1"):
+            problems.append(
+                "a LoRA run loads each version's adapters at run time: start it with "
+                "VLLM_ALLOW_RUNTIME_LORA_UPDATING=True"
+            )
     return problems

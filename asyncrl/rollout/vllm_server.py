@@ -210,14 +210,22 @@ class VLLMServerEngine:
                     f"{where} has no /server_info: start it with VLLM_SERVER_DEV_MODE=1 "
                     "(weights are pushed through its dev-mode routes)"
                 )
-            served = info.json()["vllm_config"]["model_config"]
-            theirs = _hf_config(str(served.get("model", "")))
-            problems = attach_problems(served, theirs, ours, self.dtype)
+            try:
+                served = info.json()
+                model = served["vllm_config"]["model_config"]
+            except (ValueError, KeyError, TypeError):
+                raise ConfigError(
+                    f"{where}: /server_info answered {info.status_code} without a model config "
+                    f"({info.text[:200]!r}): is it a vLLM server?"
+                ) from None
+            theirs = _hf_config(str(model.get("model", "")))
+            rank = self._lora.max_rank if self._lora is not None else 0
+            problems = attach_problems(served, theirs, ours, self.dtype, rank)
             if problems:
                 raise ConfigError(f"{where} cannot serve this run: " + "; ".join(problems))
             if theirs is None:
                 print(
-                    f"asyncrl: {server.url} serves {served.get('model')}, which this machine "
+                    f"asyncrl: {server.url} serves {model.get('model')}, which this machine "
                     "cannot read: its architecture is not checked, only its dtype and log-probs"
                 )
             models = server.control.get(server.url + "/v1/models", timeout=30).json()
@@ -241,6 +249,7 @@ class VLLMServerEngine:
             if self._closing:
                 return
             if sum(s.restarts for s in self.servers) >= budget:
+                server.signal(signal.SIGKILL)  # a hung one stops holding its streams
                 raise ServerError(
                     f"{server.name()} died and the {budget} restarts of "
                     f"rollout.servers.max_restarts are used:\n{log_tail(server.log)}"
@@ -292,11 +301,17 @@ class VLLMServerEngine:
             if not server.base:  # attached: the base is loaded once
                 self._reload(server, version)
                 server.base = True
-            server.post("/v1/load_lora_adapter",
-                        {"lora_name": f"v{version}", "lora_path": self._lora.path(version)},
-                        timeout=max(self.health_timeout, 600.0))  # fmt: skip
+            # in place: a name a killed trainer (or a load cut short) left is replaced
+            load = {"lora_name": f"v{version}", "lora_path": self._lora.path(version),
+                    "load_inplace": True}  # fmt: skip
+            server.post("/v1/load_lora_adapter", load, timeout=max(self.health_timeout, 600.0))
             if previous is not None:  # in-flight requests of it: none (a batch loads first)
-                server.post("/v1/unload_lora_adapter", {"lora_name": f"v{previous}"})
+                try:
+                    server.post("/v1/unload_lora_adapter", {"lora_name": f"v{previous}"})
+                except ServerDown:
+                    raise
+                except ServerError:  # not there (a restart): nothing to unload
+                    pass
             server.post("/update_weight_version", {"new_version": str(version)})
         server.version = version
         with self._lock:
@@ -413,7 +428,7 @@ class VLLMServerEngine:
         interval = min(1.0, self.health_timeout / 2)
         while not done.wait(interval):
             for server in self.servers:
-                if server.alive and server.streams and not server.healthy(self.health_timeout):
+                if server.streams and not server.healthy(self.health_timeout):
                     server.cut_streams()
 
     def _hand_on(self, job: Job, received: dict[int, Piece]) -> tuple[dict[int, Piece], list[Job]]:
@@ -431,6 +446,7 @@ class VLLMServerEngine:
             if not server.alive or server.healthy(timeout=self.health_timeout):
                 return  # handled already, or alive (the stream alone broke)
             server.alive = False
+            server.cut_streams()  # its other streams break now, not at their own failure
         print(
             f"asyncrl: {server.name()} stopped answering ({cause!r}); its requests continue "
             f"from the {kept} token(s) received"
@@ -486,15 +502,18 @@ class VLLMServerEngine:
                 "stop_token_ids": [self.eos_id],
                 "ignore_eos": False,
             }
-            # no read timeout: a busy server's stream may be silent while requests ahead of it
-            # in its queue run; a hung one is found by `_watch` (its /health), which cuts it
-            timeout = httpx.Timeout(None, connect=10.0)
+            # the reply's headers within the health timeout (vLLM sends them at once, even
+            # for a queued request); then no read timeout: a busy server's stream may be
+            # silent while requests ahead of it in its queue run, and a hung one is found by
+            # `_watch` (its /health), which cuts it
+            timeout = httpx.Timeout(self.health_timeout, connect=10.0)
             with (
                 server.client.stream(
                     "POST", server.url + "/v1/completions", json=body, timeout=timeout
                 ) as reply,
                 server.watching(reply),
             ):
+                reply.request.extensions["timeout"]["read"] = None  # httpcore reads it here
                 if reply.status_code != 200:  # a request it refuses: not retried
                     raise ServerError(
                         f"{server.name()}: /v1/completions: {reply.status_code} "
