@@ -130,7 +130,7 @@ def run_one(mode: str, size: str, engine: str) -> dict[str, float]:
     return result
 
 
-def line(mode: str, size: str, r: dict[str, float], engine: str) -> str:
+def line(mode: str, size: str, r: dict[str, float], engine: str = "vllm") -> str:
     where = "" if engine == "vllm" else f" ({engine})"
     return (
         f"{mode} {size}{where}: publish_ms={r['publish_ms']:.0f} update_ms={r['update_ms']:.0f} "
@@ -138,7 +138,7 @@ def line(mode: str, size: str, r: dict[str, float], engine: str) -> str:
     )
 
 
-def ratios(results: dict[str, dict[str, dict[str, float]]], engine: str) -> str:
+def ratios(results: dict[str, dict[str, dict[str, float]]], engine: str = "vllm") -> str:
     """The last line: requests / merged per size, version_s and gen_tok/s."""
     parts = []
     for size, by_mode in results.items():

@@ -165,3 +165,8 @@ def test_vllm_lora_last_line_gives_requests_over_merged_per_size():
     assert ratios({"smollm2": {"requests": r, "merged": m}}) == (
         "vllm_lora: requests/merged smollm2 version_s x2.00 gen_tok/s x0.45"
     )
+    # on a launched server (--engine vllm_server): said in each line
+    assert line("merged", "100M", m, "vllm_server").startswith("merged 100M (vllm_server): ")
+    assert ratios({"100M": {"requests": r, "merged": m}}, "vllm_server").startswith(
+        "vllm_lora: requests/merged on vllm_server 100M version_s x2.00"
+    )
