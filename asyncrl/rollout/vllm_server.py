@@ -290,9 +290,7 @@ class VLLMServerEngine:
                 self._load_locked(server, version)
 
     def _load_locked(self, server: Server, version: int) -> None:
-        with self._lock:
-            if self._file_version != version:
-                self._write_version(version)
+        assert self._file_version == version  # written by this batch's `generate`
         started = time.perf_counter()
         previous, server.version = server.version, None  # a load that fails halfway: none
         if self._lora is None:
@@ -332,12 +330,10 @@ class VLLMServerEngine:
         finally:
             server.post("/resume", timeout=quick)  # never left paused
 
-    def _write_version(self, version: int) -> None:
+    def _write_version(self, version: int, state: dict[str, Any]) -> None:
         """Version `version` as the servers read it: the reload file, or for a LoRA run its
         adapters' folder (and the base's reload file once, for attached servers)."""
         started = time.perf_counter()
-        _, state = weights_to_load(self.weights, version, None)
-        assert state is not None
         if self._lora is None:
             write_reload_file(state, self._reload_dir)
         else:
@@ -359,7 +355,11 @@ class VLLMServerEngine:
         max_tokens: int | None = None,
     ) -> list[GenerationOutput]:
         """Samples every request with one weights version, its jobs spread over the servers."""
-        version, _ = weights_to_load(self.weights, version, None)
+        with self._lock:  # the version and its tensors taken at once: a later publish may
+            # drop it from the sync before a server loads it (each loads from this file)
+            version, state = weights_to_load(self.weights, version, self._file_version)
+            if state is not None:
+                self._write_version(version, state)
         jobs, done_before = plan_jobs(requests, self.max_new_tokens, max_tokens)
         pieces: dict[tuple[int, int], Piece] = {}
         finished = threading.Event()
