@@ -176,3 +176,15 @@ def landed_per_ordinal(run: Path) -> dict[int, int]:
             for k in span["landed"]:
                 seen[k] = seen.get(k, 0) + 1
     return seen
+
+
+def new_adapters(model: Any, seed: int) -> None:
+    """Draws a LoRA model's adapters' B at random (`seed`): a new adapter's B is 0, so it would
+    compute the base model; tests of engines that serve adapters need ones that change it."""
+    import torch
+
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "lora_B" in name:
+                param.copy_(torch.randn(param.shape, generator=generator) * 0.5)

@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from helpers import DIGITS, small_config
+from helpers import DIGITS, new_adapters, small_config
 
 from asyncrl.config import ConfigError, ModelConfig
 from asyncrl.models.logprobs import completion_logprobs
@@ -189,15 +189,8 @@ def test_lora_requests_serve_each_versions_adapters_over_a_base_loaded_once():
     apply_lora(policy, config.model, 0)
     model = policy.model
 
-    def new_adapters(seed: int) -> None:
-        generator = torch.Generator().manual_seed(seed)
-        with torch.no_grad():
-            for name, param in model.named_parameters():
-                if "lora_B" in name:  # a new adapter's B is 0: it would compute the base
-                    param.copy_(torch.randn(param.shape, generator=generator) * 0.5)
-
     weights = CopyWeightSync(max_versions=2)
-    new_adapters(1)
+    new_adapters(model, 1)
     weights.publish(0, generation_weights(model, merged=False))
     spec = EngineSpec(
         model, policy.eos_id, policy.pad_id, 8, 0.8,
@@ -224,7 +217,7 @@ def test_lora_requests_serve_each_versions_adapters_over_a_base_loaded_once():
     assert {"adapter_config.json", "adapter_model.safetensors"} <= files
 
     v0 = {k: v.clone() for k, v in model.state_dict().items() if "lora_" in k}
-    new_adapters(2)
+    new_adapters(model, 2)
     weights.publish(1, generation_weights(model, merged=False))
     second = engine.generate(requests)
     assert all(o.weights_version == 1 for o in second)

@@ -23,7 +23,7 @@ import httpx
 import launcher
 import pytest
 import torch
-from helpers import DIGITS, process_gone, read_records
+from helpers import DIGITS, new_adapters, process_gone, read_records
 
 from asyncrl import faults
 from asyncrl.cli.audit import audit_run_dir
@@ -316,15 +316,8 @@ def test_a_lora_runs_adapters_reach_attached_servers_per_version_over_its_base_l
     apply_lora(lora, config, 1)
     model = lora.model
 
-    def new_adapters(seed: int) -> None:
-        generator = torch.Generator().manual_seed(seed)
-        with torch.no_grad():
-            for name, param in model.named_parameters():
-                if "lora_B" in name:  # a new adapter's B is 0: it would compute the base
-                    param.copy_(torch.randn(param.shape, generator=generator) * 0.5)
-
     weights = CopyWeightSync(max_versions=2)
-    new_adapters(1)
+    new_adapters(model, 1)
     weights.publish(0, generation_weights(model, merged=False))
     urls = [s.url for s in engine.servers]
     options = {"vllm": {"kv_cache_bytes": 32 << 20}, "servers": {"urls": urls},
@@ -339,7 +332,7 @@ def test_a_lora_runs_adapters_reach_attached_servers_per_version_over_its_base_l
         with model.disable_adapter():
             assert logprob_gap(lora, batch, first) > 1e-2  # the adapters were applied
         v0 = {k: v.clone() for k, v in model.state_dict().items() if "lora_" in k}
-        new_adapters(2)
+        new_adapters(model, 2)
         weights.publish(1, generation_weights(model, merged=False))
         second = attached.generate(batch)
         assert all(o.weights_version == 1 for o in second)
