@@ -115,17 +115,20 @@ def measure(engine_name: str, size: str) -> dict[str, float]:
     }
 
 
-def run_one(engine_name: str, size: str) -> dict[str, float]:
+def run_fresh(script: str, *args: str, timeout: float) -> dict[str, float]:
+    """`script --one ARGS` in a fresh process (nothing of one measurement left in the next):
+    the JSON its last line prints; SystemExit naming ARGS, with its stderr's end, if it fails."""
     done = subprocess.run(
-        [sys.executable, __file__, "--one", engine_name, size],
-        capture_output=True,
-        text=True,
-        timeout=900,
+        [sys.executable, script, "--one", *args], capture_output=True, text=True, timeout=timeout
     )
     if done.returncode != 0:
-        raise SystemExit(f"{engine_name} {size} failed:\n{done.stderr[-3000:]}")
+        raise SystemExit(f"{' '.join(args)} failed:\n{done.stderr[-3000:]}")
     result: dict[str, float] = json.loads(done.stdout.strip().splitlines()[-1])
     return result
+
+
+def run_one(engine_name: str, size: str) -> dict[str, float]:
+    return run_fresh(__file__, engine_name, size, timeout=900)
 
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -27,7 +27,6 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -36,7 +35,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from engines import NEW_TOKENS, PROMPT_LEN, PROMPTS, SAMPLES, build
+from engines import NEW_TOKENS, PROMPT_LEN, PROMPTS, SAMPLES, build, run_fresh
 
 SIZES = ["demo", "100M", "smollm2"]
 ENGINES = {"vllm": 0, "server_1": 1, "server_2": 2}
@@ -105,16 +104,7 @@ def measure(name: str, size: str) -> dict[str, float]:
 
 
 def run_one(name: str, size: str) -> dict[str, float]:
-    done = subprocess.run(
-        [sys.executable, __file__, "--one", name, size],
-        capture_output=True,
-        text=True,
-        timeout=1200,
-    )
-    if done.returncode != 0:
-        raise SystemExit(f"{name} {size} failed:\n{done.stderr[-3000:]}")
-    result: dict[str, float] = json.loads(done.stdout.strip().splitlines()[-1])
-    return result
+    return run_fresh(__file__, name, size, timeout=1200)
 
 
 def main() -> None:

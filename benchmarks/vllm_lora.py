@@ -35,13 +35,11 @@ import copy
 import json
 import shutil
 import statistics
-import subprocess
-import sys
 import tempfile
 import time
 
 import torch
-from engines import build  # benchmarks/engines.py: the same sizes and models
+from engines import build, run_fresh  # benchmarks/engines.py: the same sizes and models
 
 SIZES = ["smollm2", "100M"]
 MODES = ["merged", "requests"]
@@ -120,14 +118,7 @@ def measure(mode: str, size: str, engine_name: str = "vllm") -> dict[str, float]
 
 
 def run_one(mode: str, size: str, engine: str) -> dict[str, float]:
-    done = subprocess.run(
-        [sys.executable, __file__, "--one", mode, size, engine], capture_output=True,
-        text=True, timeout=1200,
-    )  # fmt: skip
-    if done.returncode != 0:
-        raise SystemExit(f"{mode} {size} failed:\n{done.stderr[-3000:]}")
-    result: dict[str, float] = json.loads(done.stdout.strip().splitlines()[-1])
-    return result
+    return run_fresh(__file__, mode, size, engine, timeout=1200)
 
 
 def line(mode: str, size: str, r: dict[str, float], engine: str = "vllm") -> str:

@@ -28,6 +28,8 @@ from typing import Any
 
 import httpx
 
+from asyncrl.config import ConfigError
+
 SERVERS_DIR = "servers"
 """`RUN_DIR/servers/`: the launched servers' logs and `launched.json`."""
 RECORD = "launched.json"
@@ -405,3 +407,61 @@ def attach_problems(
                 "VLLM_ALLOW_RUNTIME_LORA_UPDATING=True"
             )
     return problems
+
+
+def attach(
+    index: int, url: str, ours: dict[str, Any], dtype: str, lora_rank: int, health_timeout: float
+) -> tuple[Server, int]:
+    """A server the user runs, checked to serve this run (`attach_problems`; ConfigError naming
+    `rollout.servers.urls` and the URL, in one line, where not), cleared of what a killed
+    trainer left: its requests aborted (how many is returned) and a pause mid-load resumed."""
+    server = Server(index, url.rstrip("/").removesuffix("/v1"))
+    where = f"rollout.servers.urls: {server.url}"
+    if not server.healthy(timeout=health_timeout):
+        raise ConfigError(
+            f"{where} does not answer /health (is the server running, and the URL and port right?)"
+        )
+    info = server.control.get(
+        server.url + "/server_info", params={"config_format": "json"}, timeout=30
+    )
+    if info.status_code == 404:
+        raise ConfigError(
+            f"{where} has no /server_info: start it with VLLM_SERVER_DEV_MODE=1 (weights are "
+            "pushed through its dev-mode routes)"
+        )
+    try:
+        served = info.json()
+        model = served["vllm_config"]["model_config"]
+    except (ValueError, KeyError, TypeError):
+        raise ConfigError(
+            f"{where}: /server_info answered {info.status_code} without a model config "
+            f"({info.text[:200]!r}): is it a vLLM server?"
+        ) from None
+    theirs = _hf_config(str(model.get("model", "")))
+    problems = attach_problems(served, theirs, ours, dtype, lora_rank)
+    if problems:
+        raise ConfigError(f"{where} cannot serve this run: " + "; ".join(problems))
+    if theirs is None:
+        print(
+            f"asyncrl: {server.url} serves {model.get('model')}, which this machine cannot "
+            "read: its architecture is not checked, only its dtype and log-probs"
+        )
+    models = server.control.get(server.url + "/v1/models", timeout=30).json()
+    server.model = models["data"][0]["id"]
+    # a trainer killed mid-request left its requests running, or paused mid-load
+    aborted = int((server.post("/abort_requests", {}) or {}).get("aborted", 0))
+    if server.control.get(server.url + "/is_paused", timeout=30).json().get("is_paused"):
+        server.post("/resume")
+    return server, aborted
+
+
+def _hf_config(model: str) -> dict[str, Any] | None:
+    """The Hugging Face config of the model a server was started on, where this machine can
+    read it (a local folder, or a hub id in the local cache); None where not."""
+    try:
+        from transformers import AutoConfig
+
+        config: dict[str, Any] = AutoConfig.from_pretrained(model, local_files_only=True).to_dict()
+        return config
+    except Exception:  # not readable here: another node's folder, a hub id not cached
+        return None

@@ -38,7 +38,6 @@ from typing import Any, ClassVar
 
 import httpx
 
-from asyncrl.config import ConfigError
 from asyncrl.faults import fault_point, server_fault_point
 from asyncrl.models.lora import is_lora, split_generation_weights
 from asyncrl.rollout.engine import (
@@ -61,7 +60,7 @@ from asyncrl.rollout.servers import (
     Server,
     ServerDown,
     ServerError,
-    attach_problems,
+    attach,
     launch,
     log_tail,
     stop,
@@ -76,18 +75,6 @@ from asyncrl.rollout.vllm_engine import (
     write_reload_file,
 )
 from asyncrl.rollout.weight_sync import WeightSource, weights_to_load
-
-
-def _hf_config(model: str) -> dict[str, Any] | None:
-    """The Hugging Face config of the model a server was started on, where this machine can
-    read it (a local folder, or a hub id in the local cache); None where not."""
-    try:
-        from transformers import AutoConfig
-
-        config: dict[str, Any] = AutoConfig.from_pretrained(model, local_files_only=True).to_dict()
-        return config
-    except Exception:  # not readable here: another node's folder, a hub id not cached
-        return None
 
 
 class ProtocolError(RuntimeError):
@@ -193,47 +180,11 @@ class VLLMServerEngine:
         shutil.copy(os.path.join(self._dir, "config.json"), self._reload_dir)
         with open(os.path.join(self._dir, "config.json")) as f:
             ours = json.load(f)  # as a launched server would get it (save_pretrained's)
+        rank = self._lora.max_rank if self._lora is not None else 0
         aborted = 0
         for index, url in enumerate(urls):
-            server = Server(index, url.rstrip("/").removesuffix("/v1"))
-            where = f"rollout.servers.urls: {server.url}"
-            if not server.healthy(timeout=self.health_timeout):
-                raise ConfigError(
-                    f"{where} does not answer /health (is the server running, and the URL "
-                    "and port right?)"
-                )
-            info = server.control.get(
-                server.url + "/server_info", params={"config_format": "json"}, timeout=30
-            )
-            if info.status_code == 404:
-                raise ConfigError(
-                    f"{where} has no /server_info: start it with VLLM_SERVER_DEV_MODE=1 "
-                    "(weights are pushed through its dev-mode routes)"
-                )
-            try:
-                served = info.json()
-                model = served["vllm_config"]["model_config"]
-            except (ValueError, KeyError, TypeError):
-                raise ConfigError(
-                    f"{where}: /server_info answered {info.status_code} without a model config "
-                    f"({info.text[:200]!r}): is it a vLLM server?"
-                ) from None
-            theirs = _hf_config(str(model.get("model", "")))
-            rank = self._lora.max_rank if self._lora is not None else 0
-            problems = attach_problems(served, theirs, ours, self.dtype, rank)
-            if problems:
-                raise ConfigError(f"{where} cannot serve this run: " + "; ".join(problems))
-            if theirs is None:
-                print(
-                    f"asyncrl: {server.url} serves {model.get('model')}, which this machine "
-                    "cannot read: its architecture is not checked, only its dtype and log-probs"
-                )
-            models = server.control.get(server.url + "/v1/models", timeout=30).json()
-            server.model = models["data"][0]["id"]
-            # a trainer killed mid-request left its requests running, or paused mid-load
-            aborted += int((server.post("/abort_requests", {}) or {}).get("aborted", 0))
-            if server.control.get(server.url + "/is_paused", timeout=30).json().get("is_paused"):
-                server.post("/resume")
+            server, stale = attach(index, url, ours, self.dtype, rank, self.health_timeout)
+            aborted += stale
             self.servers.append(server)
         print(
             f"asyncrl: attached to {len(urls)} vLLM server(s): {', '.join(urls)}; "
