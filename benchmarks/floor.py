@@ -71,6 +71,14 @@ SCALE_ROWS = 2048
 """Products over more rows are timed at this many and scaled (see `Floor._scaled`)."""
 VERBS = {"train": "trained", "generate": "generated"}
 FLAGS = ("avx2", "avx512f", "avx512_bf16", "amx_bf16")
+CAP_KEYS = (
+    "ONEDNN_MAX_CPU_ISA",
+    "DNNL_MAX_CPU_ISA",
+    "ATEN_CPU_CAPABILITY",
+    "MKL_ENABLE_INSTRUCTIONS",
+)
+"""Environment variables that hold torch's kernels (oneDNN, ATen's own, MKL) to an older
+instruction set: set to AVX2 they run an AVX2-only machine's code paths here."""
 
 
 def cpu_flags() -> tuple[str, str]:
@@ -392,6 +400,12 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     name, flags = cpu_flags()
     print(f"floor: cpu {name}, {os.cpu_count()} cores, flags {flags}; torch {torch.__version__}")
+    caps = [f"{key}={os.environ[key]}" for key in CAP_KEYS if os.environ.get(key)]
+    if caps:
+        print(
+            f"floor: kernels held to an older instruction set: {' '.join(caps)} "
+            f"(torch dispatches {torch.backends.cpu.get_cpu_capability()})"
+        )
     if args.run is not None:
         parts, step_s, dtype, shared = measure(
             args.run, args.warmup, args.repeats, args.check_scaling

@@ -206,3 +206,35 @@ def test_native_bf16_on_a_cpu_is_read_from_its_flags_not_from_onednn():
     assert cpu_bf16(info("Features", "fp asimd sve bf16 i8mm")) == (True, "its flags have bf16")
     assert cpu_bf16(info("flags", "avx512_bf16_not_a_flag"))[0] is False  # whole words only
     assert cpu_bf16("") == (False, "no CPU flags could be read")
+
+
+def test_a_onednn_cap_below_bf16_makes_auto_float32(monkeypatch):
+    """ONEDNN_MAX_CPU_ISA=AVX2 on an avx512_bf16 CPU (the way to try an AVX2-only machine's
+    paths) sends bf16 products to the ~100x slower fallback, so `auto` must say float32 and
+    why; caps at or above AVX512_CORE_BF16 leave bf16. Measured on the AMD EPYC (avx512_bf16):
+    a [512, 576] x [576, 1536] bf16 product at 217 GFLOP/s, and 2 with the cap."""
+    import asyncrl.models.device as device_mod
+    from asyncrl.models.device import onednn_cap, resolve_train_dtype
+
+    assert onednn_cap({}) == (True, "")
+    assert onednn_cap({"ONEDNN_MAX_CPU_ISA": "avx2"}) == (
+        False,
+        "ONEDNN_MAX_CPU_ISA=AVX2 holds oneDNN below AVX512_CORE_BF16",
+    )
+    assert onednn_cap({"DNNL_MAX_CPU_ISA": "AVX512_CORE"})[0] is False
+    for ok in ("AVX512_CORE_BF16", "avx512_core_amx", "AVX512_CORE_AMX_FP16", "AVX10_1_512", "ALL"):
+        assert onednn_cap({"ONEDNN_MAX_CPU_ISA": ok}) == (True, ""), ok
+    # the first key set wins, as in oneDNN
+    assert onednn_cap({"ONEDNN_MAX_CPU_ISA": "ALL", "DNNL_MAX_CPU_ISA": "AVX2"})[0] is True
+
+    monkeypatch.setattr(device_mod, "read_cpuinfo", lambda: "flags\t: avx2 avx512f avx512_bf16\n")
+    cpu = device_mod.torch.device("cpu")
+    monkeypatch.delenv("ONEDNN_MAX_CPU_ISA", raising=False)
+    monkeypatch.delenv("DNNL_MAX_CPU_ISA", raising=False)
+    assert resolve_train_dtype("auto", cpu) == "bfloat16"
+    monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "AVX2")
+    assert resolve_train_dtype("auto", cpu) == "float32"
+    assert device_mod.dtype_line("auto", cpu) == (
+        "asyncrl: train.dtype=auto -> float32 (cpu: its flags have avx512_bf16, "
+        "but ONEDNN_MAX_CPU_ISA=AVX2 holds oneDNN below AVX512_CORE_BF16)"
+    )

@@ -4,7 +4,8 @@
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+import os
+from collections.abc import Iterator, Mapping
 
 import torch
 
@@ -56,6 +57,29 @@ def cpu_bf16(cpuinfo: str) -> tuple[bool, str]:
     return False, "its flags have no " + " or ".join(BF16_FLAGS)
 
 
+ONEDNN_CAP_KEYS = ("ONEDNN_MAX_CPU_ISA", "DNNL_MAX_CPU_ISA")
+"""Environment variables by which oneDNN, which runs torch's bf16 products on a CPU, is held to
+an older instruction set (the first set wins, as in oneDNN)."""
+
+ONEDNN_BF16_ISAS = ("AVX512_CORE_BF16", "AVX512_CORE_FP16", "AVX512_CORE_AMX", "ALL", "DEFAULT")
+"""Caps (and prefixes of caps: `AVX512_CORE_AMX_FP16`, `AVX10_1_512_AMX`) under which oneDNN
+still multiplies bf16 natively; `AVX10` caps count too."""
+
+
+def onednn_cap(environ: Mapping[str, str]) -> tuple[bool, str]:
+    """Whether oneDNN's instruction-set cap in `environ` (`ONEDNN_MAX_CPU_ISA=AVX2`, as one sets
+    to try an AVX2-only machine's paths) still leaves it native bf16 products, and the reason
+    where it does not. No cap leaves them."""
+    for key in ONEDNN_CAP_KEYS:
+        value = environ.get(key, "").strip().upper()
+        if not value:
+            continue
+        if value.startswith(ONEDNN_BF16_ISAS) or value.startswith("AVX10"):
+            return True, ""
+        return False, f"{key}={value} holds oneDNN below AVX512_CORE_BF16"
+    return True, ""
+
+
 def read_cpuinfo() -> str:
     """/proc/cpuinfo's text ('' where there is none, as on macOS)."""
     try:
@@ -67,13 +91,17 @@ def read_cpuinfo() -> str:
 
 def native_bf16_why(device: torch.device) -> tuple[bool, str]:
     """Whether `device` multiplies bf16 natively, and why: a CUDA GPU that supports it, or a
-    CPU whose flags have avx512_bf16, amx_bf16 (x86) or bf16 (aarch64). Elsewhere bf16
-    matmuls take a slow fallback."""
+    CPU whose flags have avx512_bf16, amx_bf16 (x86) or bf16 (aarch64), unless oneDNN is capped
+    below them (`onednn_cap`). Elsewhere bf16 matmuls take a slow fallback."""
     if device.type == "cuda":
         ok = bool(torch.cuda.is_available() and torch.cuda.is_bf16_supported())
         return ok, "torch.cuda.is_bf16_supported() is " + str(ok)
     if device.type == "cpu":
-        return cpu_bf16(read_cpuinfo())
+        native, why = cpu_bf16(read_cpuinfo())
+        allowed, cap = onednn_cap(os.environ)
+        if native and not allowed:
+            return False, f"{why}, but {cap}"
+        return native, why
     return False, f"{device.type} is not a cpu or cuda device"
 
 
