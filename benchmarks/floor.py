@@ -297,6 +297,35 @@ def generate_part(spans: list[dict[str, Any]], prompts: dict[int, int], floor: F
     return Part("generate", measured, floor_s, flops, tokens)
 
 
+def covered(intervals: list[tuple[float, float]], lo: float, hi: float) -> float:
+    """Seconds of [lo, hi] that the union of `intervals` covers."""
+    total, reach = 0.0, lo
+    for a, b in sorted((max(a, lo), min(b, hi)) for a, b in intervals):
+        if b > reach:
+            total += b - max(a, reach)
+            reach = b
+    return total
+
+
+def busy_shares(timeline: list[dict[str, Any]], steps: set[int]) -> tuple[float, float]:
+    """Of the wall time of `steps` (from the end of the step before the first, or the first's
+    start, to the end of the last), the shares in which a side was at work (training or
+    generating) and in which both were: with `run.share_cores` a side at work alone has both
+    cores, so the first share is how busy the two cores were."""
+    trains = {s["step"]: s for s in timeline if s["kind"] == "train"}
+    first, last = min(steps), max(steps)
+    end = lambda s: s["start"] + s["seconds"]  # noqa: E731
+    lo = end(trains[first - 1]) if first - 1 in trains else trains[first]["start"]
+    hi = end(trains[last])
+    spans = {
+        kind: [(s["start"], end(s)) for s in timeline if s["kind"] == kind]
+        for kind in ("train", "generate")
+    }
+    either = covered(spans["train"] + spans["generate"], lo, hi)
+    train, gen = covered(spans["train"], lo, hi), covered(spans["generate"], lo, hi)
+    return either / (hi - lo), (train + gen - either) / (hi - lo)
+
+
 def train_run(run: Path, steps: int, extra: list[str]) -> None:
     command = [
         sys.executable, "-m", "asyncrl.cli", "train", str(CONFIG), "--run-dir", str(run),
@@ -325,7 +354,7 @@ def check_scaling(floor: Floor) -> None:
 
 def measure(
     run: Path, warmup: int, repeats: int, scaling: bool = False
-) -> tuple[list[Part], float, str, bool]:
+) -> tuple[list[Part], float, str, bool, tuple[float, float]]:
     events = read_jsonl(run / "events.jsonl")
     start = next(e for e in events if e["event"] == "start")
     try:
@@ -386,7 +415,9 @@ def measure(
         if before is not None
         else statistics.fmean(b - a for a, b in itertools.pairwise(walls))
     )
-    return parts, step_s, f"train:{train_dtype}/gen:{gen_dtype}", core_share(config).sharing
+    busy = busy_shares(read_jsonl(run / "timeline.jsonl"), steps_in)
+    dtypes = f"train:{train_dtype}/gen:{gen_dtype}"
+    return parts, step_s, dtypes, core_share(config).sharing, busy
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -407,7 +438,7 @@ def main(argv: list[str] | None = None) -> None:
             f"(torch dispatches {torch.backends.cpu.get_cpu_capability()})"
         )
     if args.run is not None:
-        parts, step_s, dtype, shared = measure(
+        parts, step_s, dtype, shared, busy = measure(
             args.run, args.warmup, args.repeats, args.check_scaling
         )
     else:
@@ -416,7 +447,7 @@ def main(argv: list[str] | None = None) -> None:
         with tempfile.TemporaryDirectory() as tmp:
             run = Path(tmp) / "run"
             train_run(run, args.steps, args.set)
-            parts, step_s, dtype, shared = measure(
+            parts, step_s, dtype, shared, busy = measure(
                 run, args.warmup, args.repeats, args.check_scaling
             )
     for part in parts:
@@ -440,6 +471,10 @@ def main(argv: list[str] | None = None) -> None:
             f"step's floor on two cores is (train + generate) / 2 = {both:.2f} s (step x"
             f"{step_s / both:.2f}); the ratios above are against one core's floor each"
         )
+    print(
+        f"  busy      a side at work {busy[0]:.1%} of the steps' wall, both sides at once "
+        f"{busy[1]:.1%}" + (" (a side alone has both cores)" if shared else "")
+    )
     print(
         f"floor: train_x={train.ratio:.2f} gen_x={gen.ratio:.2f} step_s={step_s:.1f} "
         f"floor_s={floor_s:.1f} dtype={dtype} cpu={flags}"

@@ -12,7 +12,15 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-from floor import Floor, Shapes, completions_by_ordinal, generate_part, train_part
+from floor import (
+    Floor,
+    Shapes,
+    busy_shares,
+    completions_by_ordinal,
+    covered,
+    generate_part,
+    train_part,
+)
 
 H, INTER, LAYERS, HEADS, KV, VOCAB = 16, 32, 2, 4, 2, 50
 
@@ -107,3 +115,22 @@ def test_a_step_whose_every_group_was_skipped_adds_nothing_to_the_training_floor
     alone = train_part(tmp_path, [step], lengths, floor)
     assert (both.floor_s, both.flops, both.tokens) == (alone.floor_s, alone.flops, alone.tokens)
     assert both.measured_s == pytest.approx(1.01)
+
+
+def test_the_busy_shares_are_the_union_and_the_overlap_of_the_two_sides_work():
+    assert covered([(0, 2), (1, 3), (5, 6)], 0, 10) == 4
+    assert covered([(-5, 1), (9, 20)], 0, 10) == 2  # clipped to the window
+    assert covered([], 0, 10) == 0
+    # steps 1-2 run from the end of step 0's pass (t=10) to the end of step 2's (t=30):
+    # training 10-14 and 20-30, generating 12-18 and 19-25: nobody works from 18 to 19, so a
+    # side works 10-18 and 19-30 = 19 s of 20; both at once 12-14 and 20-25 = 7 s
+    timeline = [
+        {"kind": "train", "step": 0, "start": 0.0, "seconds": 10.0},
+        {"kind": "generate", "start": 12.0, "seconds": 6.0},
+        {"kind": "train", "step": 1, "start": 10.0, "seconds": 4.0},
+        {"kind": "generate", "start": 19.0, "seconds": 6.0},
+        {"kind": "train", "step": 2, "start": 20.0, "seconds": 10.0},
+    ]
+    either, both = busy_shares(timeline, {1, 2})
+    assert either == pytest.approx(19 / 20)
+    assert both == pytest.approx(7 / 20)
