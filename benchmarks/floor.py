@@ -61,7 +61,7 @@ import torch
 
 from asyncrl.config import ConfigError
 from asyncrl.config.keys import build_config
-from asyncrl.models.device import DTYPES, read_cpuinfo, resolve_train_dtype
+from asyncrl.models.device import DTYPES, ONEDNN_CAP_KEYS, read_cpuinfo, resolve_train_dtype
 from asyncrl.train.components import core_share
 from asyncrl.train.records import read_jsonl
 
@@ -71,12 +71,7 @@ SCALE_ROWS = 2048
 """Products over more rows are timed at this many and scaled (see `Floor._scaled`)."""
 VERBS = {"train": "trained", "generate": "generated"}
 FLAGS = ("avx2", "avx512f", "avx512_bf16", "amx_bf16")
-CAP_KEYS = (
-    "ONEDNN_MAX_CPU_ISA",
-    "DNNL_MAX_CPU_ISA",
-    "ATEN_CPU_CAPABILITY",
-    "MKL_ENABLE_INSTRUCTIONS",
-)
+CAP_KEYS = (*ONEDNN_CAP_KEYS, "ATEN_CPU_CAPABILITY", "MKL_ENABLE_INSTRUCTIONS")
 """Environment variables that hold torch's kernels (oneDNN, ATen's own, MKL) to an older
 instruction set: set to AVX2 they run an AVX2-only machine's code paths here."""
 
@@ -314,7 +309,10 @@ def busy_shares(timeline: list[dict[str, Any]], steps: set[int]) -> tuple[float,
     cores, so the first share is how busy the two cores were."""
     trains = {s["step"]: s for s in timeline if s["kind"] == "train"}
     first, last = min(steps), max(steps)
-    end = lambda s: s["start"] + s["seconds"]  # noqa: E731
+
+    def end(span: dict[str, Any]) -> float:
+        return float(span["start"] + span["seconds"])
+
     lo = end(trains[first - 1]) if first - 1 in trains else trains[first]["start"]
     hi = end(trains[last])
     spans = {
