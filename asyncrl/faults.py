@@ -76,7 +76,8 @@ RANK_POINTS = (
     "checkpoint.rank_file_written",  # a trainer rank > 0 wrote one of its checkpoint files
 )
 """Points in the trainer's other ranks (`train.num_processes` > 1; every such rank counts its
-own passes): rank 0 sees the rank die (tests/test_data_parallel_runs.py)."""
+own passes): rank 0 sees the rank die (tests/test_data_parallel_runs.py). Only these count in
+a rank > 0, and `POINTS` only in rank 0."""
 EPISODE_POINTS = (
     "episode.env_answered",  # an environment answered a turn, its result not yet logged
     "episode.env_step",  # the result logged (env_steps.jsonl), the reply not yet in the sample
@@ -191,6 +192,10 @@ _SIGNAL = parse_signal(os.environ.get("ASYNCRL_FAULT_SIGNAL", ""))
 _TRIGGER = Trigger(_STAGES) if _STAGES else None
 _THEN = parse(os.environ.get("ASYNCRL_FAULT_THEN", ""))
 _THEN_TRIGGER = Trigger(_THEN) if _THEN and _STAGES else None
+_OTHER_RANK = int(os.environ.get("RANK", "0") or 0) > 0
+"""A trainer rank > 0 (`RANK`, as `train.num_processes` or torchrun sets it): only
+`RANK_POINTS` count there. Every rank inherits `ASYNCRL_FAULT`, and ranks > 0 pass some of the
+trainer's points too (`train.backward`): a spec placed there is for rank 0 alone."""
 _lock = threading.Lock()
 _local = threading.local()
 
@@ -209,7 +214,7 @@ def fault_facts(**facts: int) -> Iterator[None]:
 def fault_point(name: str, **facts: int) -> None:
     """Marks a crash point; kills this process with SIGKILL where `ASYNCRL_FAULT` is reached
     (or sends it `ASYNCRL_FAULT_SIGNAL`, once: a preemption notice placed by state)."""
-    if _TRIGGER is None:
+    if _TRIGGER is None or (_OTHER_RANK and name not in RANK_POINTS):
         return
     facts = {**getattr(_local, "facts", {}), **facts}
     with _lock:

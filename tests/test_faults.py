@@ -83,6 +83,27 @@ def test_facts_come_from_the_call_and_from_the_calling_threads_context(monkeypat
     assert kills == [faults.signal.SIGKILL] * 2
 
 
+def test_a_rank_above_zero_counts_only_the_rank_points(monkeypatch):
+    """Every rank inherits ASYNCRL_FAULT: `train.backward[step=7]` (which ranks > 0 also pass)
+    is for rank 0; `rank.step_done` is for the others."""
+    from asyncrl import faults
+
+    kills = []
+    monkeypatch.setattr(faults.os, "kill", lambda pid, sig: kills.append(sig))
+    for other_rank, expected in ((True, []), (False, [faults.signal.SIGKILL])):
+        monkeypatch.setattr(faults, "_OTHER_RANK", other_rank)
+        monkeypatch.setattr(faults, "_TRIGGER", Trigger(parse("train.backward[step=7]")))
+        kills.clear()
+        with fault_facts(step=7):
+            faults.fault_point("train.backward")
+        assert kills == expected
+    monkeypatch.setattr(faults, "_OTHER_RANK", True)
+    monkeypatch.setattr(faults, "_TRIGGER", Trigger(parse("rank.step_done[step=5]")))
+    kills.clear()
+    faults.fault_point("rank.step_done", step=5)
+    assert kills == [faults.signal.SIGKILL]
+
+
 def test_bad_specs_are_refused_naming_the_point_or_the_fact():
     with pytest.raises(ValueError, match=r"unknown point 'engine\.decode'"):
         parse("engine.decode")
