@@ -5,6 +5,7 @@ Hand-built cases, no model, no process."""
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -166,7 +167,8 @@ def test_a_file_that_is_not_whole_or_not_this_runs_is_refused_by_name(tmp_path, 
 
 def test_a_newer_verified_checkpoint_makes_older_kept_files_stale(tmp_path):
     written(tmp_path)
-    (tmp_path / ".kept-tmp-0-run-a-1").write_bytes(b"torn")
+    torn = tmp_path / f".kept-tmp-0-run-a-{os.getpid()}"  # an earlier process with our pid's
+    torn.write_bytes(b"torn")
     removed = remove_stale(tmp_path, newest_step=0)
-    assert removed == [tmp_path / ".kept-tmp-0-run-a-1"]  # step 0's file is still current
+    assert removed == [torn]  # step 0's file is still current
     assert remove_stale(tmp_path, newest_step=3) == [kept_path(tmp_path, 0)]

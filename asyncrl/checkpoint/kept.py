@@ -16,6 +16,7 @@ import hashlib
 import json
 import os
 import re
+import uuid
 from pathlib import Path
 from typing import Any
 
@@ -28,6 +29,10 @@ from asyncrl.core.partial import Partial
 
 KEPT_FORMAT = "asyncrl-kept-rollouts/1"
 _KEPT_FILE = re.compile(r"^kept_step_(\d{6,})\.safetensors$")
+_WRITER = f"{os.getpid()}-{uuid.uuid4().hex[:8]}"
+"""Ends this process's temp file names: a pid alone is reused (a container's first processes
+get the same few), and a temp file an earlier process with our pid left would pass for a write
+in progress here and never be cleaned."""
 _FIELDS = ("tokens", "mask", "logprobs", "versions", "finished")
 
 
@@ -82,7 +87,7 @@ def write_kept(
     metadata["sha256"] = _digest(tensors, metadata)
     data = save(tensors, metadata)
     path = kept_path(root, account.step)
-    tmp = root / f".kept-tmp-{account.step}-{run_id}-{os.getpid()}"
+    tmp = root / f".kept-tmp-{account.step}-{run_id}-{_WRITER}"
     root.mkdir(parents=True, exist_ok=True)
     with open(tmp, "wb") as f:
         f.write(data)
@@ -140,7 +145,7 @@ def remove_stale(root: Path, newest_step: int) -> list[Path]:
     for path in root.iterdir():
         match = _KEPT_FILE.match(path.name)
         stale = match is not None and int(match.group(1)) < newest_step
-        torn = path.name.startswith(".kept-tmp-") and not path.name.endswith(f"-{os.getpid()}")
+        torn = path.name.startswith(".kept-tmp-") and not path.name.endswith(f"-{_WRITER}")
         if stale or torn:  # (a temp file of this process is a write in progress)
             path.unlink(missing_ok=True)
             removed.append(path)
