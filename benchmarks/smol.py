@@ -150,6 +150,8 @@ def main(argv: list[str] | None = None) -> None:
     else:
         subprocess.run([sys.executable, "-m", "asyncrl.examples.smol_math", "data/smol_math"],
                        cwd=ROOT, check=True, capture_output=True)  # fmt: skip
+        if args.dir is not None:
+            args.dir.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryDirectory(dir=args.dir) as tmp:
             for seed in args.seeds.split(","):
                 run = (args.dir or Path(tmp)) / f"smol-seed{seed}"
