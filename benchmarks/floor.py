@@ -10,20 +10,24 @@ the end), then, with the child gone and the machine otherwise idle, measures the
 this process, on the model's own weights:
 
 - **training**: each `nn.Linear` of the model multiplied forward ([T, in] x [in, out]) and
-  backward (the input's gradient and the weight's), in the dtype `train.dtype` resolves to,
-  where T is the step's real token count over the rows it trained (with
-  `algo.skip_zero_variance_groups`, the groups of `skipped_ordinals` are left out): every
-  prompt and completion token through the body, the completion tokens alone through the
-  output layer; plus causal attention (its FLOPs at the
-  rate the body's products reached);
+  backward (the input's gradient, and the weight's where it trains: with `model.lora.rank`
+  the base is frozen and the adapters' own products are counted instead), in the dtype
+  `train.dtype` resolves to, where T is the tokens the trainer's passes run over the rows it
+  trained (with `algo.skip_zero_variance_groups`, the groups of `skipped_ordinals` are left
+  out), micro-batch by micro-batch as `train.micro_batch_size` cuts them: with
+  `train.shared_prompts` each distinct prompt of a micro-batch once, then every completion
+  token, through the body; the completion tokens alone through the output layer; plus causal
+  attention (its FLOPs at the rate the body's products reached); and, with `algo.kl_coef` > 0,
+  the KL reference's forward pass over the same tokens;
 - **generation**: per generate call of the run's timeline, each prompt prefilled once (the
   output layer at its last position only), then one decode pass per token with only the
   samples still generating in the batch (an ideal, compacted batch), in `rollout.dtype`; plus
   the attention over each sample's context.
 
 Each product is timed on `run.torch_threads` threads (what each side of the run gets), the best
-of `--repeats`; one over more than 2,048 rows is timed at 2,048 and scaled by its rows (its time
-grows linearly there; `--check-scaling` measures that). Left out of the floor: norms,
+of `--repeats`; one over 128 to 2,048 rows is timed once at its rows rounded up to a multiple
+of 128 and scaled down, one over more than 2,048 rows is timed at 2,048 and scaled by its rows
+(its time grows linearly there; `--check-scaling` measures that). Left out of the floor: norms,
 activations, rotary embeddings, softmax, sampling,
 the optimizer's update and the weight publish. The measured side is the run's own record:
 `train_s` of each step and the `generate` spans of `timeline.jsonl`, over the steps from
@@ -53,7 +57,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -62,6 +66,7 @@ import torch
 from asyncrl.config import ConfigError
 from asyncrl.config.keys import build_config
 from asyncrl.models.device import DTYPES, ONEDNN_CAP_KEYS, read_cpuinfo, resolve_train_dtype
+from asyncrl.models.lora import adapters_in_engine
 from asyncrl.train.components import core_share
 from asyncrl.train.records import read_jsonl
 
@@ -69,6 +74,9 @@ ROOT = Path(__file__).resolve().parents[1]
 CONFIG = ROOT / "configs/smol_math.yaml"
 SCALE_ROWS = 2048
 """Products over more rows are timed at this many and scaled (see `Floor._scaled`)."""
+BUCKET_ROWS = 128
+"""Products over at least this many rows (and at most SCALE_ROWS) are timed at the row count
+rounded up to a multiple of it, once, and scaled down by their rows (see `Floor._scaled`)."""
 VERBS = {"train": "trained", "generate": "generated"}
 FLAGS = ("avx2", "avx512f", "avx512_bf16", "amx_bf16")
 CAP_KEYS = (*ONEDNN_CAP_KEYS, "ATEN_CPU_CAPABILITY", "MKL_ENABLE_INSTRUCTIONS")
@@ -108,17 +116,36 @@ class Shapes:
     layers: int
     heads: int
     head_dim: int
+    adapters: list[torch.Tensor] = field(default_factory=list)
+    """A LoRA run's adapter matrices (A [r, in] and B [out, r] of each adapted layer): they
+    train, and the body and the output layer are frozen (no weight gradient)."""
 
     @classmethod
-    def of(cls, model: Any) -> Shapes:  # a transformers PreTrainedModel
-        head = model.get_output_embeddings()
-        body = [
-            m.weight for m in model.modules() if isinstance(m, torch.nn.Linear) and m is not head
-        ]
+    def of(cls, model: Any, lora: Any = None) -> Shapes:  # a transformers PreTrainedModel
+        """The products of `model`, or with `lora` (a `model.lora` section of rank > 0) of the
+        model wrapped in its adapters as the run wraps it."""
         config = model.config
+        head = model.get_output_embeddings()
+        adapters: list[torch.Tensor] = []
+        if lora is not None and lora.rank:
+            from asyncrl.models.lora import wrap
+
+            named = list(wrap(model, lora, seed=0).named_modules())
+            adapters = [
+                m.weight for n, m in named if isinstance(m, torch.nn.Linear) and ".lora_" in n
+            ]
+            linears = [m for n, m in named if isinstance(m, torch.nn.Linear) and ".lora_" not in n]
+        else:
+            linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
+        body = [m.weight for m in linears if m is not head]
         heads = config.num_attention_heads
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
-        return cls(body, head.weight, config.num_hidden_layers, heads, head_dim)
+        return cls(body, head.weight, config.num_hidden_layers, heads, head_dim, adapters)
+
+    @property
+    def frozen(self) -> bool:
+        """Whether the body and the output layer are frozen (LoRA): no weight gradients."""
+        return bool(self.adapters)
 
     def linear_flops(self, weights: list[torch.Tensor], rows: int) -> float:
         return 2.0 * rows * sum(w.numel() for w in weights)
@@ -133,25 +160,33 @@ class Floor:
         self.repeats = repeats
         self.body = [w.detach().to(dtype).contiguous() for w in shapes.body]
         self.head = shapes.head.detach().to(dtype).contiguous()
+        self.adapters = [w.detach().to(dtype).contiguous() for w in shapes.adapters]
         self._decode: dict[int, float] = {}
         self._per_row: dict[tuple[Any, ...], float] = {}
 
     def _scaled(self, kind: str, weights: list[torch.Tensor], rows: int, time_rows: Any) -> float:
-        """`time_rows(weights, rows)`, timed as it is up to SCALE_ROWS rows; past that, timed at
-        SCALE_ROWS and scaled by the rows (a product's time grows linearly there)."""
-        if rows <= SCALE_ROWS:
-            return float(time_rows(weights, rows))
-        key = (kind, *map(id, weights))
+        """`time_rows(weights, rows)`: timed as it is below BUCKET_ROWS rows; up to SCALE_ROWS,
+        timed once at the rows rounded up to a multiple of BUCKET_ROWS and scaled down by the
+        rows (a run's steps then share a few timings: one per bucket, not one per step); past
+        SCALE_ROWS, timed at SCALE_ROWS and scaled by the rows (a product's time grows
+        linearly there)."""
+        timed = SCALE_ROWS if rows > SCALE_ROWS else -(-rows // BUCKET_ROWS) * BUCKET_ROWS
+        if rows < BUCKET_ROWS:
+            timed = rows
+        key = (kind, timed, *map(id, weights))
         if key not in self._per_row:
-            self._per_row[key] = time_rows(weights, SCALE_ROWS) / SCALE_ROWS
+            self._per_row[key] = time_rows(weights, timed) / timed if timed else 0.0
         return self._per_row[key] * rows
 
     def forward_s(self, weights: list[torch.Tensor], rows: int) -> float:
         """The forward products of `weights` over `rows` rows."""
         return self._scaled("forward", weights, rows, self._forward_s)
 
-    def training_s(self, weights: list[torch.Tensor], rows: int) -> float:
-        """Forward, the input's gradient and the weight's gradient of each product."""
+    def training_s(self, weights: list[torch.Tensor], rows: int, weight_grad: bool = True) -> float:
+        """Forward, the input's gradient and (`weight_grad`) the weight's gradient of each
+        product."""
+        if not weight_grad:
+            return self._scaled("frozen", weights, rows, self._frozen_s)
         return self._scaled("training", weights, rows, self._training_s)
 
     @torch.inference_mode()
@@ -179,11 +214,31 @@ class Floor:
 
         return best_of(self.repeats, work)
 
+    @torch.inference_mode()
+    def _frozen_s(self, weights: list[torch.Tensor], rows: int) -> float:
+        if rows == 0:
+            return 0.0
+        x = {w.shape[1]: torch.randn(rows, w.shape[1], dtype=self.dtype) for w in weights}
+        dy = {w.shape[0]: torch.randn(rows, w.shape[0], dtype=self.dtype) for w in weights}
+
+        def work() -> None:
+            for w in weights:
+                torch.nn.functional.linear(x[w.shape[1]], w)
+                dy[w.shape[0]] @ w
+
+        return best_of(self.repeats, work)
+
     def decode_step_s(self, batch: int) -> float:
-        """One decode pass's products (body and output layer) for `batch` samples."""
+        """One decode pass's products (body, output layer, and the adapters where the engine
+        runs them) for `batch` samples."""
         if batch not in self._decode:
-            self._decode[batch] = self.forward_s([*self.body, self.head], batch)
+            self._decode[batch] = self.forward_s([*self.decode_weights(), self.head], batch)
         return self._decode[batch]
+
+    def decode_weights(self) -> list[torch.Tensor]:
+        """The body's products a generation pass runs: with adapters in the engine (peft's
+        forward on the frozen base) the adapters' too."""
+        return [*self.body, *self.adapters]
 
     def attention_flops(self, pairs: float) -> float:
         """Q.K and attention.V over `pairs` (query, key) pairs, forward, every layer."""
@@ -215,11 +270,60 @@ def prompt_lengths(config: Any) -> list[int]:
     return [len(prompt_ids(e, tokenizer)) for e in task_examples(config.data)]
 
 
-def train_part(run: Path, steps: list[dict[str, Any]], lengths: list[int], floor: Floor) -> Part:
-    """Training over `steps` (their metrics records) against the products of their tokens."""
+@dataclass(frozen=True)
+class Passes:
+    """What the trainer's passes over a step's trained rows are (from the run's config)."""
+
+    micro_batch_size: int = 0
+    """`train.micro_batch_size`: consecutive slices of this many rows (0: one of all)."""
+    shared_prompts: bool = False
+    """`train.shared_prompts`: each distinct prompt of a micro-batch runs once."""
+    reference: bool = False
+    """`algo.kl_coef` > 0: the KL reference's forward pass over the same tokens."""
+
+    @classmethod
+    def of(cls, config: Any) -> Passes:
+        return cls(
+            config.train.micro_batch_size,
+            config.train.shared_prompts,
+            getattr(config.algo, "kl_coef", 0.0) > 0,
+        )
+
+    def tokens(self, rows: list[tuple[int, int, int]]) -> tuple[int, int, float]:
+        """For `rows` (dataset index, prompt tokens, completion tokens) in the trainer's order:
+        the tokens through the body, through the output layer, and the (query, key) pairs of
+        causal attention, over the micro-batches."""
+        size = self.micro_batch_size or len(rows)
+        body, head, pairs = 0, 0, 0.0
+        for start in range(0, len(rows), size):
+            part = rows[start : start + size]
+            head += sum(c for _, _, c in part)
+            if not self.shared_prompts:
+                body += sum(p + c for _, p, c in part)
+                pairs += sum((p + c) * (p + c + 1) / 2 for _, p, c in part)
+                continue
+            distinct = [r for i, r in enumerate(part) if i == 0 or part[i - 1][0] != r[0]]
+            body += sum(p for _, p, _ in distinct) + sum(c for _, _, c in part)
+            pairs += sum(p * (p + 1) / 2 for _, p, _ in distinct)  # each prompt's own pass
+            pairs += sum(c * p + c * (c + 1) / 2 for _, p, c in part)  # the completions'
+        return body, head, pairs
+
+
+def train_part(
+    run: Path,
+    steps: list[dict[str, Any]],
+    lengths: list[int],
+    floor: Floor,
+    passes: Passes = Passes(),
+) -> Part:
+    """Training over `steps` (their metrics records) against the products of their tokens,
+    counted as `passes` runs them."""
     measured = sum(r["train_s"] for r in steps)
     floor_s, flops, tokens = 0.0, 0.0, 0
     spans = completions_by_ordinal(run)
+    shapes = floor.shapes
+    trains = not shapes.frozen  # the body's and the output layer's weight gradients
+    per_token = 3 if trains else 2  # forward, input gradient (, weight gradient)
     for record in steps:
         rows = []
         skipped = set(record.get("skipped_ordinals", ()))
@@ -227,7 +331,7 @@ def train_part(run: Path, steps: list[dict[str, Any]], lengths: list[int], floor
             record["prompt_ordinals"], record["dataset_indices"], strict=True
         ):
             if ordinal not in skipped:
-                rows += [(lengths[index], n) for n in spans[ordinal]]
+                rows += [(index, lengths[index], n) for n in spans[ordinal]]
         if "trained_rows" in record and len(rows) != record["trained_rows"]:
             raise SystemExit(
                 f"{run}: step {record['step']} trained {record['trained_rows']:.0f} rows but "
@@ -236,15 +340,32 @@ def train_part(run: Path, steps: list[dict[str, Any]], lengths: list[int], floor
             )
         if not rows:  # every group skipped (no reward variance): no product ran, none counted
             continue
-        body_rows = sum(p + c for p, c in rows)
-        head_rows = sum(c for _, c in rows)
+        body_rows, head_rows, pairs = passes.tokens(rows)
         tokens += head_rows
-        body_flops = 3 * floor.shapes.linear_flops(floor.shapes.body, body_rows)
-        step_flops = body_flops + 3 * floor.shapes.linear_flops([floor.shapes.head], head_rows)
-        body_s = floor.training_s(floor.body, body_rows)
+        body_flops = per_token * shapes.linear_flops(shapes.body, body_rows)
+        step_flops = (
+            body_flops
+            + per_token * shapes.linear_flops([shapes.head], head_rows)
+            + 3 * shapes.linear_flops(shapes.adapters, body_rows)
+        )
+        body_s = floor.training_s(floor.body, body_rows, trains)
         rate = body_flops / body_s
-        attention = 3 * floor.attention_flops(sum((p + c) * (p + c + 1) / 2 for p, c in rows))
-        floor_s += body_s + floor.training_s([floor.head], head_rows) + attention / rate
+        attention = 3 * floor.attention_flops(pairs)
+        floor_s += (
+            body_s
+            + floor.training_s([floor.head], head_rows, trains)
+            + (floor.training_s(floor.adapters, body_rows) if floor.adapters else 0.0)
+            + attention / rate
+        )
+        if passes.reference:  # the frozen reference's forward (adapters off, in a LoRA run)
+            ref_flops = shapes.linear_flops(shapes.body, body_rows) + shapes.linear_flops(
+                [shapes.head], head_rows
+            )
+            ref_s = floor.forward_s(floor.body, body_rows) + floor.forward_s(
+                [floor.head], head_rows
+            )
+            floor_s += ref_s + floor.attention_flops(pairs) / rate
+            step_flops += ref_flops + floor.attention_flops(pairs)
         flops += step_flops + attention
     return Part("train", measured, floor_s, flops, tokens)
 
@@ -265,6 +386,7 @@ def generate_part(spans: list[dict[str, Any]], prompts: dict[int, int], floor: F
     """The generate calls `spans` against an ideal decode of the same samples."""
     measured = sum(s["seconds"] for s in spans)
     floor_s, flops, tokens = 0.0, 0.0, 0
+    decode_shapes = [*floor.shapes.body, *floor.shapes.adapters]
     for span in spans:
         lengths = [prompts[o] for o in span["ordinals"]]
         samples = [
@@ -272,9 +394,9 @@ def generate_part(spans: list[dict[str, Any]], prompts: dict[int, int], floor: F
         ]
         tokens += sum(n for _, n in samples)
         prefill = sum(lengths)
-        body_s = floor.forward_s(floor.body, prefill)
+        body_s = floor.forward_s(floor.decode_weights(), prefill)
         prefill_s = body_s + floor.forward_s([floor.head], len(lengths))
-        prefill_flops = floor.shapes.linear_flops(floor.shapes.body, prefill)
+        prefill_flops = floor.shapes.linear_flops(decode_shapes, prefill)
         rate = prefill_flops / max(body_s, 1e-9)
         attention = floor.attention_flops(sum(p * (p + 1) / 2 for p in lengths))
         longest = max((n for _, n in samples), default=0)
@@ -283,7 +405,7 @@ def generate_part(spans: list[dict[str, Any]], prompts: dict[int, int], floor: F
             alive = [(p, n) for p, n in samples if n > k]
             decode_s += floor.decode_step_s(len(alive))
             decode_flops += floor.shapes.linear_flops(
-                [*floor.shapes.body, floor.shapes.head], len(alive)
+                [*decode_shapes, floor.shapes.head], len(alive)
             )
             pairs += sum(p + k for p, _ in alive)
         attention += floor.attention_flops(pairs)
@@ -382,7 +504,9 @@ def measure(
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(config.model.path, dtype=torch.float32)
-    shapes = Shapes.of(model)
+    shapes = Shapes.of(model, config.model.lora)
+    # generation runs the adapters only where the engine applies them on the frozen base
+    gen_shapes = shapes if adapters_in_engine(config) else replace(shapes, adapters=[])
     device = torch.device(config.train.device)
     train_dtype = resolve_train_dtype(config.train.dtype, device)
     gen_dtype = config.rollout.dtype
@@ -394,11 +518,21 @@ def measure(
         file=sys.stderr,
         flush=True,
     )
+    passes = Passes.of(config)
+    counted = [
+        f"micro-batches of {passes.micro_batch_size or 'all'} rows",
+        "each distinct prompt once a micro-batch" if passes.shared_prompts else "a prompt a row",
+    ]
+    if passes.reference:
+        counted.append("the KL reference's forward")
+    if shapes.frozen:
+        counted.append(f"LoRA: a frozen base, {len(shapes.adapters)} adapter matrices")
+    print(f"floor: training counted as {', '.join(counted)}", file=sys.stderr, flush=True)
     if scaling:
         check_scaling(Floor(shapes, DTYPES[train_dtype], repeats))
     parts = [
-        train_part(run, window, lengths, Floor(shapes, DTYPES[train_dtype], repeats)),
-        generate_part(spans, prompts, Floor(shapes, DTYPES[gen_dtype], repeats)),
+        train_part(run, window, lengths, Floor(shapes, DTYPES[train_dtype], repeats), passes),
+        generate_part(spans, prompts, Floor(gen_shapes, DTYPES[gen_dtype], repeats)),
     ]
     count = len(window)
     for part in parts:  # per step

@@ -11,9 +11,12 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
+from asyncrl.config import LoraConfig
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 from floor import (
     Floor,
+    Passes,
     Shapes,
     busy_shares,
     completions_by_ordinal,
@@ -77,10 +80,14 @@ def test_a_groups_completion_is_summed_over_its_chunks(tmp_path):
 
 
 class RowCountingFloor(Floor):
-    """A training product "takes" a second per row."""
+    """A training product "takes" a second per row (two thirds without the weight's gradient,
+    a third forward alone), whatever its weights."""
 
-    def training_s(self, weights: list[torch.Tensor], rows: int) -> float:
-        return float(rows)
+    def training_s(self, weights: list[torch.Tensor], rows: int, weight_grad: bool = True) -> float:
+        return float(rows) if weight_grad else 2 * rows / 3
+
+    def forward_s(self, weights: list[torch.Tensor], rows: int) -> float:
+        return rows / 3
 
 
 def test_the_training_floor_counts_only_the_rows_trained(tmp_path):
@@ -134,3 +141,76 @@ def test_the_busy_shares_are_the_union_and_the_overlap_of_the_two_sides_work():
     either, both = busy_shares(timeline, {1, 2})
     assert either == pytest.approx(19 / 20)
     assert both == pytest.approx(7 / 20)
+
+
+def test_the_trainers_passes_are_counted_micro_batch_by_micro_batch():
+    # (dataset index, prompt tokens, completion tokens): a group of two on prompt 0, one on 1
+    rows = [(0, 10, 4), (0, 10, 3), (1, 20, 5)]
+    # every row's prompt in its own pass: 14 + 13 + 25 body tokens, causal pairs n(n+1)/2
+    assert Passes(2, shared_prompts=False).tokens(rows) == (52, 12, 105 + 91 + 325)
+    # shared: micro-batch [0, 0] runs prompt 0 once (10 + 4 + 3), then [1] (20 + 5); pairs:
+    # the prompt's own 10*11/2, then each completion token over the prompt and those before it
+    shared = Passes(2, shared_prompts=True).tokens(rows)
+    assert shared == (17 + 25, 12, 55 + (40 + 10) + (30 + 6) + 210 + (100 + 15))
+    # a micro-batch of one row: prompt 0 runs twice
+    assert Passes(1, shared_prompts=True).tokens(rows)[0] == 14 + 13 + 25
+    assert Passes(0, shared_prompts=True).tokens(rows)[0] == 10 + 7 + 25  # one of all
+
+
+def test_shared_prompts_and_the_reference_pass_change_the_training_floor(tmp_path):
+    spans = [{"kind": "generate", "ordinals": [0, 1], "token_counts": [[4, 3], [5, 5]]}]
+    (tmp_path / "timeline.jsonl").write_text("".join(json.dumps(s) + "\n" for s in spans))
+    floor = RowCountingFloor(Shapes.of(tiny()), torch.float32, repeats=1)
+    step = {"step": 0, "train_s": 1.0, "prompt_ordinals": [0, 1], "dataset_indices": [0, 1]}
+    lengths = [10, 20]
+    rows = [(0, 10, 4), (0, 10, 3), (1, 20, 5), (1, 20, 5)]
+    # the body's rate: its forward and backward products' FLOPs of a row in a second
+    rate = 3 * floor.shapes.linear_flops(floor.shapes.body, 1)
+
+    def attention_s(passes: Passes) -> float:  # one pass's attention at the body's rate
+        return floor.attention_flops(passes.tokens(rows)[2]) / rate
+
+    each = train_part(tmp_path, [step], lengths, floor, Passes(2, shared_prompts=False))
+    # body 14 + 13 + 25 + 25 and head 17 (a second a row each), attention forward and backward
+    assert each.floor_s == pytest.approx(77 + 17 + 3 * attention_s(Passes(2, False)))
+    shared = train_part(tmp_path, [step], lengths, floor, Passes(2, shared_prompts=True))
+    assert shared.floor_s == pytest.approx(17 + 30 + 17 + 3 * attention_s(Passes(2, True)))
+    assert shared.floor_s < each.floor_s
+    referenced = train_part(tmp_path, [step], lengths, floor, Passes(2, True, reference=True))
+    # plus a forward pass (a third of a second a row) over the same tokens, attention once
+    extra = (47 + 17) / 3 + attention_s(Passes(2, True))
+    assert referenced.floor_s == pytest.approx(shared.floor_s + extra)
+    assert referenced.flops > shared.flops
+
+
+def test_a_lora_run_trains_its_adapters_and_no_weight_of_the_frozen_base(tmp_path):
+    lora = Shapes.of(tiny(), LoraConfig(rank=2))
+    assert lora.frozen and not Shapes.of(tiny()).frozen
+    assert len(lora.body) == 7 * LAYERS  # the base's linear layers, not the adapters
+    assert len(lora.adapters) == 2 * 7 * LAYERS  # an A and a B on each (all-linear)
+    assert {tuple(a.shape) for a in lora.adapters} >= {(2, H), (H, 2), (INTER, 2), (2, INTER)}
+    spans = [{"kind": "generate", "ordinals": [0], "token_counts": [[4, 2]]}]
+    (tmp_path / "timeline.jsonl").write_text("".join(json.dumps(s) + "\n" for s in spans))
+    step = {"step": 0, "train_s": 1.0, "prompt_ordinals": [0], "dataset_indices": [0]}
+    full = train_part(tmp_path, [step], [10], RowCountingFloor(Shapes.of(tiny()), torch.float32, 1))
+    part = train_part(tmp_path, [step], [10], RowCountingFloor(lora, torch.float32, 1))
+    # body 14 + 12 tokens, head 6: frozen, two thirds of a second a row; the adapters train
+    # over the body's 26 tokens (a second a row); attention (x3) as before
+    assert full.floor_s - part.floor_s == pytest.approx((26 + 6) / 3 - 26)
+
+
+def test_a_products_time_is_measured_once_per_bucket_of_rows_and_scaled():
+    floor = Floor(Shapes.of(tiny()), torch.float32, repeats=1)
+    timed: list[int] = []
+
+    def time_rows(weights: list[torch.Tensor], rows: int) -> float:
+        timed.append(rows)
+        return rows * (2.0 if rows < 200 else 1.0)  # seconds: small products run slower
+
+    assert floor._scaled("k", floor.body, 1000, time_rows) == pytest.approx(1000)
+    assert floor._scaled("k", floor.body, 1010, time_rows) == pytest.approx(1010)
+    assert floor._scaled("k", floor.body, 50, time_rows) == pytest.approx(100)  # as it is
+    assert floor._scaled("k", floor.body, 5000, time_rows) == pytest.approx(5000)
+    assert floor._scaled("k", floor.body, 6000, time_rows) == pytest.approx(6000)
+    assert floor._scaled("k", floor.body, 0, time_rows) == 0
+    assert timed == [1024, 50, 2048]  # 1000 and 1010 share the bucket of 1024; 0 is 0
