@@ -115,7 +115,7 @@ bench-lora-curve: setup
 bench-deferral: setup
 	$(BIN)/python benchmarks/deferral.py
 
-# the real model learns: make smol-demo's run on seeds 0, 1, 2 (~16 min each on 2 Xeon cores with AMX)
+# the real model learns: make smol-demo's run on seeds 0, 1, 2 (~35-38 min each on 2 cores, AVX2 code paths)
 bench-smol: setup
 	$(BIN)/python benchmarks/smol.py
 

@@ -148,7 +148,8 @@ def main() -> None:
         write = [sys.executable, "-m", "asyncrl.examples.smol_math", str(files)]
         subprocess.run(write, check=True, capture_output=True)
         print(f"full fine-tuning, lr {FULL_LR:g}:", file=sys.stderr)
-        train(Path(tmp) / "full", files, args.steps, [*args.set, f"algo.lr={FULL_LR}"])
+        full_run = ["model.lora.rank=0", "train.micro_batch_size=8", f"algo.lr={FULL_LR}"]
+        train(Path(tmp) / "full", files, args.steps, [*args.set, *full_run])
         full = read_curve(f"full (lr {FULL_LR:g})", Path(tmp) / "full")
         print(curve_line(full), file=sys.stderr)
         loras = {}

@@ -249,6 +249,11 @@ own shape (4 prompts x 8 samples, 80 new tokens, bf16 training, its 49,152-token
 on the example's word problems, evaluation off."""
 SMOL_PARAMS = 134_515_008
 SMOL_RUN = [
+    # every weight trained, in passes of 8 rows, as docs/devices.md's figures were measured (the
+    # config trains LoRA adapters in passes of 4 since 2026-12-06; benchmarks/lora.py's LoRA
+    # modes set model.lora.rank after these)
+    "model.lora.rank=0",
+    "train.micro_batch_size=8",
     "eval.every_steps=0",
     "eval.at_start=false",
     "checkpoint.save_period=3",
