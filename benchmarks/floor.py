@@ -200,7 +200,9 @@ class Floor:
         )
 
     @torch.inference_mode()
-    def _training_s(self, weights: list[torch.Tensor], rows: int) -> float:
+    def _training_s(
+        self, weights: list[torch.Tensor], rows: int, weight_grad: bool = True
+    ) -> float:
         if rows == 0:
             return 0.0
         x = {w.shape[1]: torch.randn(rows, w.shape[1], dtype=self.dtype) for w in weights}
@@ -210,23 +212,13 @@ class Floor:
             for w in weights:
                 torch.nn.functional.linear(x[w.shape[1]], w)
                 dy[w.shape[0]] @ w
-                dy[w.shape[0]].t() @ x[w.shape[1]]
+                if weight_grad:
+                    dy[w.shape[0]].t() @ x[w.shape[1]]
 
         return best_of(self.repeats, work)
 
-    @torch.inference_mode()
     def _frozen_s(self, weights: list[torch.Tensor], rows: int) -> float:
-        if rows == 0:
-            return 0.0
-        x = {w.shape[1]: torch.randn(rows, w.shape[1], dtype=self.dtype) for w in weights}
-        dy = {w.shape[0]: torch.randn(rows, w.shape[0], dtype=self.dtype) for w in weights}
-
-        def work() -> None:
-            for w in weights:
-                torch.nn.functional.linear(x[w.shape[1]], w)
-                dy[w.shape[0]] @ w
-
-        return best_of(self.repeats, work)
+        return self._training_s(weights, rows, weight_grad=False)
 
     def decode_step_s(self, batch: int) -> float:
         """One decode pass's products (body, output layer, and the adapters where the engine

@@ -46,6 +46,10 @@ def test_the_products_are_the_models_linear_layers_counted_from_its_config():
     assert (shapes.layers, shapes.heads, shapes.head_dim) == (LAYERS, HEADS, head_dim)
 
 
+def write_timeline(run: Path, spans: list[dict[str, object]]) -> None:
+    (run / "timeline.jsonl").write_text("".join(json.dumps(s) + "\n" for s in spans))
+
+
 class CountingFloor(Floor):
     """A decode pass "takes" as many seconds as it has samples; every prefill takes none."""
 
@@ -75,7 +79,7 @@ def test_a_groups_completion_is_summed_over_its_chunks(tmp_path):
         {"kind": "train", "step": 0},
         {"kind": "generate", "ordinals": [0], "token_counts": [[3, 0]]},
     ]
-    (tmp_path / "timeline.jsonl").write_text("".join(json.dumps(s) + "\n" for s in spans))
+    write_timeline(tmp_path, spans)
     assert completions_by_ordinal(tmp_path) == {0: [7, 4], 1: [4, 2]}
 
 
@@ -92,7 +96,7 @@ class RowCountingFloor(Floor):
 
 def test_the_training_floor_counts_only_the_rows_trained(tmp_path):
     spans = [{"kind": "generate", "ordinals": [0, 1], "token_counts": [[4, 4], [3, 5]]}]
-    (tmp_path / "timeline.jsonl").write_text("".join(json.dumps(s) + "\n" for s in spans))
+    write_timeline(tmp_path, spans)
     floor = RowCountingFloor(Shapes.of(tiny()), torch.float32, repeats=1)
     step = {"step": 0, "train_s": 1.0, "prompt_ordinals": [0, 1], "dataset_indices": [0, 1]}
     lengths = [10, 20]  # prompt tokens of dataset rows 0 and 1
@@ -113,7 +117,7 @@ def test_the_training_floor_counts_only_the_rows_trained(tmp_path):
 
 def test_a_step_whose_every_group_was_skipped_adds_nothing_to_the_training_floor(tmp_path):
     spans = [{"kind": "generate", "ordinals": [0, 1], "token_counts": [[4, 4], [3, 5]]}]
-    (tmp_path / "timeline.jsonl").write_text("".join(json.dumps(s) + "\n" for s in spans))
+    write_timeline(tmp_path, spans)
     floor = RowCountingFloor(Shapes.of(tiny()), torch.float32, repeats=1)
     step = {"step": 0, "train_s": 1.0, "prompt_ordinals": [0, 1], "dataset_indices": [0, 1]}
     lengths = [10, 20]
@@ -159,7 +163,7 @@ def test_the_trainers_passes_are_counted_micro_batch_by_micro_batch():
 
 def test_shared_prompts_and_the_reference_pass_change_the_training_floor(tmp_path):
     spans = [{"kind": "generate", "ordinals": [0, 1], "token_counts": [[4, 3], [5, 5]]}]
-    (tmp_path / "timeline.jsonl").write_text("".join(json.dumps(s) + "\n" for s in spans))
+    write_timeline(tmp_path, spans)
     floor = RowCountingFloor(Shapes.of(tiny()), torch.float32, repeats=1)
     step = {"step": 0, "train_s": 1.0, "prompt_ordinals": [0, 1], "dataset_indices": [0, 1]}
     lengths = [10, 20]
@@ -190,7 +194,7 @@ def test_a_lora_run_trains_its_adapters_and_no_weight_of_the_frozen_base(tmp_pat
     assert len(lora.adapters) == 2 * 7 * LAYERS  # an A and a B on each (all-linear)
     assert {tuple(a.shape) for a in lora.adapters} >= {(2, H), (H, 2), (INTER, 2), (2, INTER)}
     spans = [{"kind": "generate", "ordinals": [0], "token_counts": [[4, 2]]}]
-    (tmp_path / "timeline.jsonl").write_text("".join(json.dumps(s) + "\n" for s in spans))
+    write_timeline(tmp_path, spans)
     step = {"step": 0, "train_s": 1.0, "prompt_ordinals": [0], "dataset_indices": [0]}
     full = train_part(tmp_path, [step], [10], RowCountingFloor(Shapes.of(tiny()), torch.float32, 1))
     part = train_part(tmp_path, [step], [10], RowCountingFloor(lora, torch.float32, 1))
