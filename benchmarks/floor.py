@@ -58,11 +58,13 @@ import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
+from functools import partial
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from asyncrl.algos.update import micro_batches
 from asyncrl.config import ConfigError
 from asyncrl.config.keys import build_config
 from asyncrl.models.device import DTYPES, ONEDNN_CAP_KEYS, read_cpuinfo, resolve_train_dtype
@@ -186,7 +188,9 @@ class Floor:
         """Forward, the input's gradient and (`weight_grad`) the weight's gradient of each
         product."""
         if not weight_grad:
-            return self._scaled("frozen", weights, rows, self._frozen_s)
+            return self._scaled(
+                "frozen", weights, rows, partial(self._training_s, weight_grad=False)
+            )
         return self._scaled("training", weights, rows, self._training_s)
 
     @torch.inference_mode()
@@ -216,9 +220,6 @@ class Floor:
                     dy[w.shape[0]].t() @ x[w.shape[1]]
 
         return best_of(self.repeats, work)
-
-    def _frozen_s(self, weights: list[torch.Tensor], rows: int) -> float:
-        return self._training_s(weights, rows, weight_grad=False)
 
     def decode_step_s(self, batch: int) -> float:
         """One decode pass's products (body, output layer, and the adapters where the engine
@@ -285,10 +286,9 @@ class Passes:
         """For `rows` (dataset index, prompt tokens, completion tokens) in the trainer's order:
         the tokens through the body, through the output layer, and the (query, key) pairs of
         causal attention, over the micro-batches."""
-        size = self.micro_batch_size or len(rows)
         body, head, pairs = 0, 0, 0.0
-        for start in range(0, len(rows), size):
-            part = rows[start : start + size]
+        for cut in micro_batches(len(rows), self.micro_batch_size):  # the trainer's own cut
+            part = rows[cut]
             head += sum(c for _, _, c in part)
             if not self.shared_prompts:
                 body += sum(p + c for _, p, c in part)
