@@ -185,3 +185,42 @@ def test_a_model_whose_logits_are_not_its_output_layers_keeps_the_logits_path() 
         want, _ = chosen_logprobs(model(**inputs).logits[:, width - 1 : -1], ids, 1.0)
     assert torch.equal(got[MASK], want[MASK])
     assert output_head(tiny_llama(False, logit_scale=0.5)) is None  # known by its config
+
+
+@pytest.mark.parametrize("shared", [False, True])
+def test_columns_after_the_last_real_token_are_not_run_and_change_nothing(shared, monkeypatch):
+    """A micro-batch padded to the step's longest row (4 more columns than its own longest):
+    the model sees only the columns up to its last real token, and the log-probs, entropies and
+    gradients are those of the batch without the extra columns. The widths the decoder saw
+    are counted by a hook; with the trim turned off (the negative control) it sees them all."""
+    model = tiny_llama(False)
+    ids = completions()
+    extra = torch.randint(0, VOCAB, (len(PROMPTS), 4), generator=torch.Generator().manual_seed(2))
+    padded_ids = torch.cat([ids, extra], dim=1)
+    padded_mask = torch.cat([MASK, torch.zeros(len(PROMPTS), 4, dtype=torch.bool)], dim=1)
+    assert output_head(model) is not None  # its one check on three tokens, before the hook
+    widths: list[int] = []
+    model.model.register_forward_pre_hook(
+        lambda _, args, kwargs: widths.append(kwargs["input_ids"].shape[1]), with_kwargs=True
+    )
+
+    def outputs(ids: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        model.zero_grad()
+        logprobs, entropy = completion_logprobs(
+            model, PROMPTS, ids, mask, 0.7, 0, True, True, shared_prompts=shared
+        )
+        assert logprobs.shape == entropy.shape == ids.shape
+        ((logprobs + 0.1 * entropy) * mask).sum().backward()
+        grads = torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None])
+        return logprobs[mask].detach(), entropy[mask].detach(), grads
+
+    want = outputs(ids, MASK)
+    want_widths, widths[:] = list(widths), []
+    got = outputs(padded_ids, padded_mask)
+    assert widths == want_widths  # the extra columns never reached the model
+    for g, w in zip(got, want, strict=True):
+        assert torch.allclose(g, w, rtol=1e-6, atol=1e-6), (g - w).abs().max()
+    monkeypatch.setattr(lp, "used_width", lambda mask: mask.shape[1])
+    widths.clear()
+    outputs(padded_ids, padded_mask)
+    assert sum(widths) == sum(want_widths) + 4 * (1 if shared else len(want_widths))

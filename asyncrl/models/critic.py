@@ -18,6 +18,7 @@ from transformers import AutoConfig, AutoModelForTokenClassification, PreTrained
 
 from asyncrl.config import ConfigError, ModelConfig
 from asyncrl.models.device import model_device
+from asyncrl.models.logprobs import used_width
 from asyncrl.models.lora import base_module, plain_state_dict
 from asyncrl.models.policy import Policy, join_completions
 
@@ -70,9 +71,12 @@ def completion_values(
 ) -> torch.Tensor:
     """V(s_t) [B, T]: the critic's value of the state before completion token t (the prompt and
     the tokens before t), read at the same positions the policy predicts token t from. Masked
-    positions are 0."""
+    positions are 0, and the columns after the last unmasked one are not run (`used_width`)."""
     device = model_device(critic)
     completion_ids, completion_mask = completion_ids.to(device), completion_mask.to(device)
+    full, used = completion_ids.shape[1], used_width(completion_mask)
+    completion_ids, completion_mask = completion_ids[:, :used], completion_mask[:, :used]
     inputs, width = join_completions(prompts, completion_ids, completion_mask, pad_id)
     values = critic(**inputs, use_cache=False).logits[:, width - 1 : -1, 0].float()
-    return values * completion_mask.to(values.dtype)
+    values = values * completion_mask.to(values.dtype)
+    return torch.nn.functional.pad(values, (0, full - used))
