@@ -143,11 +143,12 @@ def vocabulary_sized_saved(fn, model) -> list[tuple[int, ...]]:
     return shapes
 
 
-def test_no_tokens_by_vocabulary_matrix_is_kept_for_the_backward_pass() -> None:
+def test_no_tokens_by_vocabulary_matrix_is_kept_for_the_backward_pass(monkeypatch) -> None:
     """The memory claim, counted in elements rather than bytes of RSS: with the output layer a
     chunk at a time, autograd keeps nothing of [tokens, V] (the chunks are recomputed in the
     backward); through the model's logits it keeps at least the whole [B, T, V] log-softmax
     (the negative control)."""
+    monkeypatch.setattr(lp, "HEAD_KEEP_BYTES", 0)
     model = tiny_llama(False)
     ids = completions()
     full = MASK.numel() * VOCAB
@@ -224,3 +225,38 @@ def test_columns_after_the_last_real_token_are_not_run_and_change_nothing(shared
     widths.clear()
     outputs(padded_ids, padded_mask)
     assert sum(widths) == sum(want_widths) + 4 * (1 if shared else len(want_widths))
+
+
+@pytest.mark.parametrize(
+    "keep_bytes", [4 * VOCAB * int(MASK.sum()), 4 * VOCAB * int(MASK.sum()) - 1]
+)
+def test_a_pass_whose_tokens_fit_runs_the_output_layer_once_and_keeps_it(keep_bytes, monkeypatch):
+    """At `HEAD_KEEP_BYTES` the [N, V] log-softmax of the pass's N tokens is kept for the
+    backward pass and the output layer runs once; a byte less and it runs twice (the chunk
+    recomputed), keeping nothing of [N, V]. The gradients are the same either way."""
+    monkeypatch.setattr(lp, "HEAD_KEEP_BYTES", keep_bytes)
+    model = tiny_llama(False)
+    ids = completions()
+    assert output_head(model) is not None
+    calls: list[int] = []
+    model.lm_head.register_forward_hook(lambda _, args, out: calls.append(out.shape[0]))
+
+    def loss() -> None:
+        model.zero_grad()
+        logprobs, _ = completion_logprobs(model, PROMPTS, ids, MASK, 1.0, 0)
+        (logprobs * MASK).sum().backward()
+
+    saved = vocabulary_sized_saved(loss, model)
+    tokens = int(MASK.sum())
+    grads = torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None])
+    if keep_bytes >= 4 * VOCAB * tokens:
+        assert calls == [tokens] and (tokens, VOCAB) in saved
+    else:
+        assert calls == [tokens, tokens] and saved == []
+    lp._HEADS[model] = False  # the model's own logits, the oracle
+    try:
+        loss()
+    finally:
+        del lp._HEADS[model]
+    oracle = torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None])
+    assert torch.allclose(grads, oracle, rtol=1e-5, atol=1e-6)

@@ -196,6 +196,12 @@ HEAD_CHUNK_BYTES = 64 << 20
 """The output layer's logits are computed for this many bytes of fp32 [tokens, V] at a time
 (at least one token) when log-probs come from the hidden states."""
 
+HEAD_KEEP_BYTES = 64 << 20
+"""A pass whose tokens' fp32 [tokens, V] log-softmax fits in this many bytes runs the output
+layer once, as one chunk kept for the backward pass, instead of recomputing it there: on
+SmolLM2 the recompute is a sixth of the output layer's products (a micro-batch of 4 rows of 80
+tokens keeps 63 MB until its backward)."""
+
 
 def head_logprobs(
     head: torch.nn.Linear,
@@ -211,13 +217,17 @@ def head_logprobs(
     layer applied to `budget_bytes` (default `HEAD_CHUNK_BYTES`) of tokens at a time. With
     gradients on, each chunk is checkpointed: its logits and log-softmax are freed after the
     forward and recomputed, one chunk at a time, in the backward pass, so no [B, T, V] matrix
-    ever exists, in any dtype (what Liger's fused linear cross-entropy does, in plain PyTorch).
+    ever exists, in any dtype (what Liger's fused linear cross-entropy does, in plain PyTorch);
+    unless the whole [N, V] fits in `HEAD_KEEP_BYTES`: then it is one chunk, kept, not
+    recomputed.
     Under autocast each chunk casts the output layer's weight itself (no autocast cache), so
     the chunks' weight gradients are summed in the weight's own dtype, not in bf16."""
     picked, targets = hidden[mask], tokens[mask]  # [N, H], [N]
     budget = HEAD_CHUNK_BYTES if budget_bytes is None else budget_bytes
     per = max(1, budget // (4 * head.out_features))
     grad = torch.is_grad_enabled()
+    kept = len(picked) * 4 * head.out_features <= HEAD_KEEP_BYTES  # one chunk, no recompute
+    per = max(per, len(picked)) if kept else per
     device = hidden.device.type
     autocast = torch.is_autocast_enabled(device)
     dtype = torch.get_autocast_dtype(device)
@@ -234,7 +244,8 @@ def head_logprobs(
 
     chosen, entropies = [], []
     for h, t in zip(picked.split(per), targets.split(per), strict=True):  # one [N, H] grad
-        c, e = checkpoint(chunk, h, t, use_reentrant=False) if grad else chunk(h, t)
+        recompute = grad and not kept
+        c, e = checkpoint(chunk, h, t, use_reentrant=False) if recompute else chunk(h, t)
         chosen.append(c)
         entropies.append(e)
     # no token at all: zeros that still carry a (zero) gradient, as the logits path's do
