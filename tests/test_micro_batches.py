@@ -16,6 +16,7 @@ import torch
 from helpers import groups_of, small_config
 
 from asyncrl.algos import grpo, ppo
+from asyncrl.algos.update import shortest_first
 from asyncrl.models.logprobs import chosen_logprobs
 from asyncrl.train.components import build_components
 
@@ -150,3 +151,46 @@ def test_chunked_log_softmax_is_the_plain_one_row_by_row():
     _, with_grad = chosen_logprobs(logits, tokens, 0.7, True, entropy_grad=True, budget_bytes=1)
     assert with_grad.requires_grad
     torch.testing.assert_close(with_grad, plain_entropy, rtol=0, atol=0)
+
+
+def test_each_groups_rows_are_ordered_shortest_first_and_the_groups_stay_together():
+    """Hand-computed: groups of 3 rows (rows 0-2 and 6-8 trained, 3-5 left out); a row's
+    width is its last real column, so row 7 (a hole, then a token at column 4) is 5 wide."""
+    mask = torch.tensor(
+        [
+            [1, 1, 1, 0, 0],  # row 0: 3
+            [1, 0, 0, 0, 0],  # row 1: 1
+            [1, 1, 1, 0, 0],  # row 2: 3 (after row 0: the order is stable)
+            [1, 1, 1, 1, 1],
+            [1, 0, 0, 0, 0],
+            [1, 1, 0, 0, 0],
+            [1, 1, 1, 1, 0],  # row 6: 4
+            [1, 0, 0, 0, 1],  # row 7: 5
+            [0, 0, 0, 0, 0],  # row 8: 0
+        ]
+    ).bool()
+    rows = torch.tensor([0, 1, 2, 6, 7, 8])
+    assert shortest_first(rows, mask, 3).tolist() == [1, 0, 2, 8, 6, 7]
+    assert shortest_first(rows[:0], mask, 3).tolist() == []
+
+
+def test_grpos_passes_are_cut_from_rows_ordered_by_width(groups, monkeypatch):
+    """The rows GRPO's micro-batches get, seen by `select`: each group's rows shortest first,
+    where the groups' own order is not."""
+    seen: list[list[int]] = []
+    select = grpo.select
+
+    def spy(batch, rows):
+        part = select(batch, rows)
+        seen.append(part["completion_mask"].long().cumsum(1).argmax(1).tolist())
+        return part
+
+    monkeypatch.setattr(grpo, "select", spy)
+    gradients_of_each_update(ALGOS["grpo"], 2, groups)
+    share, widths = seen[0], [w for part in seen[1:] for w in part]  # the share, its passes
+    assert widths == share and len(share) == 4 * NUM_GROUPS
+    for i in range(0, len(share), 4):
+        assert share[i : i + 4] == sorted(share[i : i + 4])
+    given = [g.policy_mask.long().cumsum(1).argmax(1).tolist() for g in groups]
+    assert any(w != sorted(w) for w in given)  # the groups' own order is not: it was sorted
+    assert [sorted(w) for w in given] == [share[i : i + 4] for i in range(0, len(share), 4)]

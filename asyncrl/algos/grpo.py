@@ -31,8 +31,10 @@ from asyncrl.algos.update import (
     reference_dtype,
     regularise,
     select,
+    shortest_first,
     stack_groups,
     to_device,
+    token_mask,
 )
 from asyncrl.config.algos import GRPOOptions
 from asyncrl.core.advantages import scaled_group_advantages
@@ -119,6 +121,12 @@ class GRPO:
                 batch["completion_mask"], self.config.loss_aggregation, self.max_new_tokens
             )
             trained = self._trained_rows(batch["rewards"])
+            if self.micro_batch_size:  # passes cut from a group: its rows of like widths
+                trained = shortest_first(
+                    torch.arange(len(batch["prompts"]), device=self.device)[trained],
+                    token_mask(batch),
+                    batch["rewards"].shape[1],
+                )
             per_row = {"advantages": advantages[trained]}
             if weights is not batch["completion_mask"]:  # token_mean and constant: the mask
                 per_row["weights"] = weights[trained]
@@ -171,7 +179,8 @@ class GRPO:
     def _trained_rows(self, rewards: torch.Tensor) -> torch.Tensor | slice:
         """The rows of the step's [N, G] `rewards` that its passes train: all of them, or with
         `algo.skip_zero_variance_groups` those of the groups whose rewards are not all equal
-        (ascending indices, so a group's rows stay together)."""
+        (ascending indices, so a group's rows stay together; `step` then orders each group's
+        rows by width, `shortest_first`)."""
         if not getattr(self.config.options, "skip_zero_variance_groups", False):
             return slice(None)
         return varied_groups(rewards).repeat_interleave(rewards.shape[1]).nonzero().flatten()
