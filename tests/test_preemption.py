@@ -135,3 +135,35 @@ def test_a_drain_notice_keeps_rays_deadline_when_the_config_is_read():
     assert [(n.source, n.deadline_s) for n in stop.notices] == [(RAY_DRAIN, 12.0), ("SIGTERM", 5.0)]
     assert stop.notice is not None and stop.notice.source == "SIGTERM"  # at 7.0, before 13.0
     assert stop.signal_name == RAY_DRAIN  # the first notice names the stop
+
+
+def test_inspect_names_the_newest_kept_rollouts_after_the_last_notice(tmp_path):
+    """A notice may keep rollouts beside step 3 while step 6's write is in flight, then again
+    beside 6 once it is verified (whose retain deletes the file beside 3): `inspect` names
+    the one on disk, the newest, not the first (stop 60's CI failure)."""
+    import json
+
+    from asyncrl.cli.inspect import last_preemption, preemption_line
+
+    def kept(step, tokens):
+        return {"event": "rollouts_kept", "source": "SIGTERM", "step": step, "cut_step": 7,
+                "groups": 4, "partial_groups": 0, "tokens": tokens}  # fmt: skip
+
+    events = [
+        {"event": "preemption_notice", "source": "SIGTERM", "step": 2, "deadline_s": 0},
+        kept(1, 10),  # an older notice's: not this one's
+        {"event": "preemption_notice", "source": "SIGTERM", "step": 7, "deadline_s": 0},
+        kept(3, 76),
+        kept(6, 77),
+    ]
+    (tmp_path / "events.jsonl").write_text("".join(json.dumps(e) + "\n" for e in events))
+    preempted = last_preemption(tmp_path)
+    assert preempted is not None and preempted["kept"]["step"] == 6
+    line = preemption_line(preempted)
+    assert line.startswith("last preemption: SIGTERM at step 7 (deadline 0 s)")
+    assert line.endswith(
+        "; kept 4 finished and 0 partial groups (77 tokens) beside step 6's checkpoint"
+    )
+    del events[-1]  # one keep only: that one
+    (tmp_path / "events.jsonl").write_text("".join(json.dumps(e) + "\n" for e in events))
+    assert preemption_line(last_preemption(tmp_path)).endswith("beside step 3's checkpoint")

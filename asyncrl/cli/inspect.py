@@ -112,8 +112,9 @@ def _steps_past(
 
 
 def last_preemption(run_dir: Path) -> dict[str, Any] | None:
-    """The run's last preemption notice and what came of it (`preemption_notice` and
-    `preemption_result` events, from the end of `events.jsonl`); None if none is there."""
+    """The run's last preemption notice and what came of it (`preemption_notice`,
+    `preemption_result` and its newest `rollouts_kept` events, from the end of
+    `events.jsonl`); None if none is there."""
     events = tail_events(run_dir / "events.jsonl")
     notices = [i for i, e in enumerate(events) if e.get("event") == "preemption_notice"]
     if not notices:
@@ -126,7 +127,9 @@ def last_preemption(run_dir: Path) -> dict[str, Any] | None:
         ]
         return {"notice": notice, "result": None, "handbacks": handbacks}
     result = next((e for e in after if e.get("event") == "preemption_result"), None)
-    kept = next((e for e in after if e.get("event") == "rollouts_kept"), None)
+    # the newest: a notice that keeps rollouts beside S while S+k's write is in flight keeps
+    # them again beside S+k once it is verified, and that retain deletes the file beside S
+    kept = next((e for e in reversed(after) if e.get("event") == "rollouts_kept"), None)
     return {"notice": notice, "result": result, "kept": kept}
 
 
@@ -319,7 +322,7 @@ def preemption_line(preempted: dict[str, Any]) -> str:
     head = f"last preemption: {notice['source']} at step {notice['step']} ({deadline})"
     kept = preempted.get("kept")
     first = "" if kept is None else (
-        f"; first kept {kept['groups']} finished and {kept['partial_groups']} partial groups "
+        f"; kept {kept['groups']} finished and {kept['partial_groups']} partial groups "
         f"({kept['tokens']} tokens) beside step {kept['step']}'s checkpoint")  # fmt: skip
     if result is None:
         return f"{head}: no checkpoint was verified after it (killed before?){first}"
