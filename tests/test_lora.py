@@ -316,3 +316,62 @@ def test_split_generation_weights_gives_the_base_names_and_peft_adapter_names():
     for name in adapters:  # PeftModel.save_pretrained's names: no adapter name in them
         assert name.startswith("base_model.model.") and ".default." not in name
         assert name.endswith((".lora_A.weight", ".lora_B.weight"))
+
+
+def test_bf16_passes_take_the_frozen_base_cast_once_and_train_the_same_bit_for_bit():
+    """`FrozenCasts`: with bf16 autocast, the LoRA base's linear weights are cast once and
+    swapped in for the step's passes (and the KL reference's, the same model with its adapters
+    off), instead of autocast casting each of them at every forward pass. Two steps (the second
+    with non-zero B) give the same metrics and adapters bit for bit as with the casts off,
+    which cast the frozen weights at every pass (the control); after a step the model holds
+    its own fp32 parameters again, which the engine shares and the publishes read."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from asyncrl.algos.grpo import GRPO
+    from asyncrl.algos.update import FrozenCasts
+
+    overrides = ("train.dtype=bfloat16", "algo.kl_coef=0.1", "algo.lr=1e-2",
+                 "train.micro_batch_size=2")  # fmt: skip
+    parts = build_components(small_config(*LORA, *overrides))
+    try:
+        groups = groups_of(parts)
+    finally:
+        parts.stop_generation()
+        parts.shutdown()
+
+    class FrozenWeightCasts(TorchDispatchMode):
+        def __init__(self, pointers: set[int]) -> None:
+            super().__init__()
+            self.pointers, self.count = pointers, 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func is torch.ops.aten._to_copy.default and args[0].data_ptr() in self.pointers:
+                self.count += 1
+            return func(*args, **(kwargs or {}))
+
+    results = []
+    for casts in (True, False):
+        policy, _, config = lora_policy(*overrides)
+        algo = GRPO(policy, config)
+        model = policy.model
+        tied = model.get_input_embeddings().weight  # the output layer's too: left as it is
+        frozen = [m for m in model.modules() if isinstance(m, torch.nn.Linear)
+                  and not m.weight.requires_grad and m.weight is not tied]  # fmt: skip
+        weights = [m.weight for m in frozen]
+        assert len(frozen) > 4 and all(w.dtype == torch.float32 for w in weights)
+        if casts:
+            assert [m for m, _, _ in algo.frozen_casts.swaps] == frozen
+            assert all(low.dtype == torch.bfloat16 for _, _, low in algo.frozen_casts.swaps)
+        else:
+            algo.frozen_casts = FrozenCasts([], None)
+        counter = FrozenWeightCasts({w.data_ptr() for w in weights})
+        with counter:
+            metrics = [algo.step(groups, 0), algo.step(groups, 1)]
+        assert [m.weight for m in frozen] == weights  # the fp32 parameters are back
+        assert (counter.count == 0) == casts, counter.count
+        results.append((metrics, {k: v.clone() for k, v in trainable_state(model).items()}))
+    (metrics, adapters), (control_metrics, control_adapters) = results
+    assert metrics[1]["kl_ref"] > 0  # the second step's adapters are not the base
+    assert metrics == control_metrics
+    assert adapters.keys() == control_adapters.keys()
+    assert all(torch.equal(adapters[k], control_adapters[k]) for k in adapters)

@@ -22,6 +22,7 @@ from asyncrl.algos.parallel import (
 )
 from asyncrl.algos.schedule import StepSchedule
 from asyncrl.algos.update import (
+    FrozenCasts,
     ReferencePolicy,
     StepStats,
     adamw,
@@ -90,6 +91,8 @@ class GRPO:
         self.loss_fn = ClippedPolicyLoss(clip_eps=config.algo.clip_eps)
         self._entropy_coef = config.algo.entropy_coef  # the step's: `entropy_coef(advantages)`
         self.max_new_tokens = config.generated_tokens
+        # LoRA: the frozen base's linear weights in bf16 for the passes, cast once
+        self.frozen_casts = FrozenCasts([self.model], reference_dtype(self.dtype, ranks.world_size))
         ranks.shard(self.model)  # after the reference copied the full initial weights
         if self.reference is not None:
             ranks.shard(self.reference.model)
@@ -150,21 +153,22 @@ class GRPO:
         loss_total, stats = 0.0, StepStats()
         trainer_logprobs: list[tuple[slice, torch.Tensor]] = []
         check = ranks.world_size == 1
-        for micro in rank_micro_batches(
-            num_rows, self.micro_batch_size, ranks.rank, ranks.world_size
-        ):
-            rows, own = micro.rows, slice(micro.rows.start - offset, micro.rows.stop - offset)
-            part = select(share, own)
-            weights = share.get("weights", share["completion_mask"])[own]
-            loss, logprobs, part_stats = self._micro_loss(
-                part, share["advantages"][own], weights, share["normaliser"]
-            )
-            if not micro.real:  # a stand-in: the passes' collectives, no gradient
-                backward(loss * 0.0, check=check)
-                continue
-            trainer_logprobs.append((rows, logprobs.detach()))
-            loss_total += backward(loss, check=check)
-            stats.add(part_stats, float(part["completion_mask"].sum()))
+        with self.frozen_casts:  # the passes only: publishes read the fp32 base
+            for micro in rank_micro_batches(
+                num_rows, self.micro_batch_size, ranks.rank, ranks.world_size
+            ):
+                rows, own = micro.rows, slice(micro.rows.start - offset, micro.rows.stop - offset)
+                part = select(share, own)
+                weights = share.get("weights", share["completion_mask"])[own]
+                loss, logprobs, part_stats = self._micro_loss(
+                    part, share["advantages"][own], weights, share["normaliser"]
+                )
+                if not micro.real:  # a stand-in: the passes' collectives, no gradient
+                    backward(loss * 0.0, check=check)
+                    continue
+                trainer_logprobs.append((rows, logprobs.detach()))
+                loss_total += backward(loss, check=check)
+                stats.add(part_stats, float(part["completion_mask"].sum()))
         (loss_total,) = ranks.sum([loss_total])
         stats = stats.gathered(ranks.gather(stats.parts))
         all_logprobs = ranks.assemble(trainer_logprobs, num_rows, share["behaviour_logprobs"])

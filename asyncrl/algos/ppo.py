@@ -28,6 +28,7 @@ from asyncrl.algos.base import load_policy_state, policy_state
 from asyncrl.algos.parallel import SINGLE, MicroBatch, Ranks, rank_micro_batches, shared_groups
 from asyncrl.algos.schedule import StepSchedule
 from asyncrl.algos.update import (
+    FrozenCasts,
     ReferencePolicy,
     StepStats,
     adamw,
@@ -157,6 +158,9 @@ class PPO:
         self.seed = config.run.seed
         self.policy_loss = ClippedPolicyLoss(clip_eps=algo.clip_eps)
         self.value_loss = ClippedValueLoss(clip_eps=opt.value_clip_eps)
+        self.frozen_casts = FrozenCasts(
+            [self.model, self.critic], reference_dtype(self.dtype, ranks.world_size)
+        )
         # sharded once the critic and the reference copied the full initial weights
         ranks.shard(self.model)
         ranks.shard(self.critic)
@@ -256,6 +260,10 @@ class PPO:
         """One training step (`ppo_epochs * num_minibatches` updates of the critic, and of the
         policy once past warm-up) on the step's groups, each update accumulated over
         micro-batches of `train.micro_batch_size` sequences; returns its metrics."""
+        with self.frozen_casts:  # LoRA: the frozen bases in bf16 for the step's passes
+            return self._step(groups, step)
+
+    def _step(self, groups: list[Group], step: int) -> dict[str, float]:
         cfg, opt = self.config, self.options
         groups = shared_groups(self.ranks, groups)  # every rank: minibatches draw from all rows
         batch = to_device(stack_groups(groups, self.pad_id), self.device)

@@ -376,10 +376,58 @@ def reference_dtype(train_dtype: str, world_size: int) -> torch.dtype | None:
 def cast_linear_layers(model: torch.nn.Module, dtype: torch.dtype) -> None:
     """Stores every `nn.Linear` of `model` in `dtype`, but for one whose weight is also an
     embedding's (tied output layers)."""
+    for module in _untied_linear_layers(model):
+        module.to(dtype)
+
+
+def _untied_linear_layers(model: torch.nn.Module) -> list[torch.nn.Linear]:
+    """`model`'s `nn.Linear` layers but those whose weight is also an embedding's."""
     embedded = {id(m.weight) for m in model.modules() if isinstance(m, torch.nn.Embedding)}
-    for module in model.modules():
-        if isinstance(module, torch.nn.Linear) and id(module.weight) not in embedded:
-            module.to(dtype)
+    return [
+        module
+        for module in model.modules()
+        if isinstance(module, torch.nn.Linear) and id(module.weight) not in embedded
+    ]
+
+
+class FrozenCasts:
+    """The frozen linear weights of LoRA models (the base under the adapters) cast once to
+    `dtype`, bf16 autocast's, and swapped in for the training passes only (`with casts:`).
+
+    Autocast caches no cast of a weight that needs no gradient, so without them every forward
+    pass cast the whole base again, and with `train.shared_prompts` a pass's prompt and
+    completion graphs each held a cast copy until its backward. The log-probs and gradients
+    are the same bit for bit: autocast multiplies in `dtype` either way (tests/test_lora.py).
+    Outside the passes the models hold their fp32 parameters, which the engine and the
+    evaluator share and the checkpoints, exports and weight publishes read. A tied output
+    layer keeps its weight (the embedding's lookup reads it in fp32). Nothing is cast where
+    `dtype` is None (fp32 passes; FSDP2 ranks, which want one dtype across a sharded model) or
+    a model has no adapters."""
+
+    def __init__(self, models: Iterable[torch.nn.Module], dtype: torch.dtype | None) -> None:
+        self.swaps: list[tuple[torch.nn.Linear, torch.nn.Parameter, torch.nn.Parameter]] = []
+        if dtype is None:
+            return
+        cast: dict[int, torch.nn.Parameter] = {}  # a weight two models share: one cast
+        for model in models:
+            if not is_lora(model):
+                continue
+            for module in _untied_linear_layers(model):
+                weight = module.weight
+                if not weight.requires_grad and weight.dtype != dtype:
+                    if id(weight) not in cast:
+                        cast[id(weight)] = torch.nn.Parameter(
+                            weight.detach().to(dtype), requires_grad=False
+                        )
+                    self.swaps.append((module, weight, cast[id(weight)]))
+
+    def __enter__(self) -> None:
+        for module, _, low in self.swaps:
+            module.weight = low
+
+    def __exit__(self, *exc: object) -> None:
+        for module, weight, _ in self.swaps:
+            module.weight = weight
 
 
 @contextlib.contextmanager
