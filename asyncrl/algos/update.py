@@ -405,7 +405,7 @@ class FrozenCasts:
     a model has no adapters."""
 
     def __init__(self, models: Iterable[torch.nn.Module], dtype: torch.dtype | None) -> None:
-        self.swaps: list[tuple[torch.nn.Linear, torch.nn.Parameter, torch.nn.Parameter]] = []
+        self.swaps: list[tuple[torch.nn.Linear, torch.Tensor, torch.nn.Parameter]] = []
         if dtype is None:
             return
         cast: dict[int, torch.nn.Parameter] = {}  # a weight two models share: one cast
