@@ -172,3 +172,17 @@ def test_a_newer_verified_checkpoint_makes_older_kept_files_stale(tmp_path):
     removed = remove_stale(tmp_path, newest_step=0)
     assert removed == [torn]  # step 0's file is still current
     assert remove_stale(tmp_path, newest_step=3) == [kept_path(tmp_path, 0)]
+
+
+def test_a_keep_beside_a_newer_checkpoint_deletes_the_one_beside_an_older(tmp_path):
+    """A notice while step 6's write is in flight keeps beside 3; the keep may end after 6's
+    retain looked for stale files, and the run keeps again beside 6 once it is verified: that
+    second keep leaves one kept file, its own (stop 60's CI run left two)."""
+    written(tmp_path)  # beside step 0
+    items = [(4, 1, partial([[(5, 0), (6, 0)]], [True]))]
+    kept, account = keep(items, 3, {}, cut_step=4)
+    path, _ = write_kept(tmp_path, "run-a", kept, account)
+    assert sorted(tmp_path.iterdir()) == [path] and path == kept_path(tmp_path, 3)
+    kept, account = keep(items, 1, {}, cut_step=4)  # an older one after it: both stay
+    older, _ = write_kept(tmp_path, "run-a", kept, account)
+    assert sorted(tmp_path.iterdir()) == [older, path]

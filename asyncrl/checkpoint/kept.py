@@ -62,8 +62,8 @@ def _digest(tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> str:
 def write_kept(
     root: Path, run_id: str, kept: list[KeptRollout], account: KeptAccount
 ) -> tuple[Path, int]:
-    """Writes the kept rollouts beside checkpoint `account.step`, durably; returns the path
-    and its bytes."""
+    """Writes the kept rollouts beside checkpoint `account.step`, durably, then deletes those
+    kept beside older checkpoints (`remove_stale`); returns the path and its bytes."""
     tensors: dict[str, torch.Tensor] = {}
     for item in kept:
         state = item.partial.state_dict()
@@ -99,6 +99,9 @@ def write_kept(
         os.fsync(dir_fd)
     finally:
         os.close(dir_fd)
+    # a keep beside an older checkpoint may end after the newer one's retain looked (a notice
+    # while that write was in flight): the newest kept file holds what it held
+    remove_stale(root, account.step)
     return path, len(data)
 
 
