@@ -391,42 +391,43 @@ def _untied_linear_layers(model: torch.nn.Module) -> list[torch.nn.Linear]:
 
 
 class FrozenCasts:
-    """The frozen linear weights of LoRA models (the base under the adapters) cast once to
-    `dtype`, bf16 autocast's, and swapped in for the training passes only (`with casts:`).
+    """The frozen linear weights of LoRA models (the base under the adapters) cast to
+    `dtype`, bf16 autocast's, once a step, and swapped in for that step's passes only (`with
+    casts:`; freed at its end).
 
     Autocast caches no cast of a weight that needs no gradient, so without them every forward
     pass cast the whole base again, and with `train.shared_prompts` a pass's prompt and
     completion graphs each held a cast copy until its backward. The log-probs and gradients
     are the same bit for bit: autocast multiplies in `dtype` either way (tests/test_lora.py).
-    Outside the passes the models hold their fp32 parameters, which the engine and the
-    evaluator share and the checkpoints, exports and weight publishes read. A tied output
-    layer keeps its weight (the embedding's lookup reads it in fp32). Nothing is cast where
-    `dtype` is None (fp32 passes; FSDP2 ranks, which want one dtype across a sharded model) or
-    a model has no adapters."""
+    Outside the steps the models hold only their fp32 parameters, which the engine and the
+    evaluator share and the publishes, checkpoints and exports read: no copy is held while an
+    evaluation runs. A tied output layer keeps its weight (the embedding's lookup reads it in
+    fp32). Nothing is cast where `dtype` is None (fp32 passes; FSDP2 ranks, which want one
+    dtype across a sharded model) or a model has no adapters."""
 
     def __init__(self, models: Iterable[torch.nn.Module], dtype: torch.dtype | None) -> None:
-        self.swaps: list[tuple[torch.nn.Linear, torch.Tensor, torch.nn.Parameter]] = []
+        self.dtype = dtype
+        self.frozen: list[tuple[torch.nn.Linear, torch.Tensor]] = []
         if dtype is None:
             return
-        cast: dict[int, torch.nn.Parameter] = {}  # a weight two models share: one cast
         for model in models:
             if not is_lora(model):
                 continue
             for module in _untied_linear_layers(model):
                 weight = module.weight
                 if not weight.requires_grad and weight.dtype != dtype:
-                    if id(weight) not in cast:
-                        cast[id(weight)] = torch.nn.Parameter(
-                            weight.detach().to(dtype), requires_grad=False
-                        )
-                    self.swaps.append((module, weight, cast[id(weight)]))
+                    self.frozen.append((module, weight))
 
     def __enter__(self) -> None:
-        for module, _, low in self.swaps:
-            module.weight = low
+        cast: dict[int, torch.nn.Parameter] = {}  # a weight two models share: one cast
+        for module, weight in self.frozen:
+            if id(weight) not in cast:
+                low = weight.detach().to(self.dtype)
+                cast[id(weight)] = torch.nn.Parameter(low, requires_grad=False)
+            module.weight = cast[id(weight)]
 
     def __exit__(self, *exc: object) -> None:
-        for module, weight, _ in self.swaps:
+        for module, weight in self.frozen:
             module.weight = weight
 
 
