@@ -77,7 +77,7 @@ def test_sigterm_stops_at_the_earliest_consistent_point_and_resumes_bitwise(
     (notice,) = events_of(run, "preemption_notice")
     assert (notice["source"], notice["deadline_s"], notice["step"]) == ("SIGTERM", 30.0, stopped_at)
     assert notice["node"] and notice["deadline"] == pytest.approx(notice["time"] + notice["left_s"])
-    assert notice["checkpoint_estimate_s"] > 0  # step 6's, measured
+    assert notice["checkpoint_estimate_s"] > 0  # step 3's at least: step 6's waited for it
     (result,) = events_of(run, "preemption_result")
     assert (result["step"], result["abandoned_step"]) == (stopped_at, given_up)
     latest, _ = run_store(run).latest()
