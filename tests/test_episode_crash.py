@@ -287,10 +287,11 @@ def test_killed_past_the_checkpoint_a_default_mode_run_asks_each_step_once_with_
     regenerating them. Before the write-ahead log, every step after the checkpoint ran again
     after a kill, with a new text."""
     run = tmp_path / "run"
-    # 40 steps, not STEPS: each kill needs a cut holding episodes with a step taken, then two
-    # or three more environment steps; in a CI run on a fast machine the resumed launch found
-    # none in what was left of 24 steps and finished unkilled (a step costs ~0.1 s)
-    extra = ["env.max_turns=2", "rollout.chunk_tokens=2", *variant, "run.max_num_steps=40"]
+    # a checkpoint every step, 48 steps, not STEPS and every 2: each kill needs a cut holding
+    # episodes with a step taken (one cut in 8-10 here), and in a CI run on a fast machine a
+    # launch found none in what was left of 24 steps and finished unkilled (~0.1 s a step)
+    extra = ["env.max_turns=2", "rollout.chunk_tokens=2", *variant, "run.max_num_steps=48",
+             "checkpoint.save_period=1"]  # fmt: skip
     faults = [f"{IN_FLIGHT}>episode.env_step:3", f"{IN_FLIGHT}>episode.env_answered:2"]
     for fault in faults:
         code, _, out = run_to(run, repo_root, "Tally", fault, extra=extra)
