@@ -91,7 +91,7 @@ class GRPO:
         self.loss_fn = ClippedPolicyLoss(clip_eps=config.algo.clip_eps)
         self._entropy_coef = config.algo.entropy_coef  # the step's: `entropy_coef(advantages)`
         self.max_new_tokens = config.generated_tokens
-        # LoRA: the frozen base's linear weights in bf16 for the passes, cast once
+        # LoRA: the frozen base's linear weights in bf16 for the passes, cast once a step
         self.frozen_casts = FrozenCasts([self.model], reference_dtype(self.dtype, ranks.world_size))
         ranks.shard(self.model)  # after the reference copied the full initial weights
         if self.reference is not None:

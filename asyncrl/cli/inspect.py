@@ -128,7 +128,7 @@ def last_preemption(run_dir: Path) -> dict[str, Any] | None:
         return {"notice": notice, "result": None, "handbacks": handbacks}
     result = next((e for e in after if e.get("event") == "preemption_result"), None)
     # the newest: a notice that keeps rollouts beside S while S+k's write is in flight keeps
-    # them again beside S+k once it is verified, and that retain deletes the file beside S
+    # them again beside S+k once it is verified, and that keep deletes the file beside S
     kept = next((e for e in reversed(after) if e.get("event") == "rollouts_kept"), None)
     return {"notice": notice, "result": result, "kept": kept}
 
@@ -321,16 +321,16 @@ def preemption_line(preempted: dict[str, Any]) -> str:
         )
     head = f"last preemption: {notice['source']} at step {notice['step']} ({deadline})"
     kept = preempted.get("kept")
-    first = "" if kept is None else (
+    kept_part = "" if kept is None else (
         f"; kept {kept['groups']} finished and {kept['partial_groups']} partial groups "
         f"({kept['tokens']} tokens) beside step {kept['step']}'s checkpoint")  # fmt: skip
     if result is None:
-        return f"{head}: no checkpoint was verified after it (killed before?){first}"
+        return f"{head}: no checkpoint was verified after it (killed before?){kept_part}"
     met = {True: "met", False: "MISSED", None: "no deadline"}[result.get("met")]
     given_up = ", its step given up" if result.get("abandoned_step") else ""
     return (
         f"{head}: checkpoint of step {result['step']} verified "
-        f"{result['notice_to_durable_s']:.2f} s after the notice ({met}{given_up}){first}"
+        f"{result['notice_to_durable_s']:.2f} s after the notice ({met}{given_up}){kept_part}"
     )
 
 
