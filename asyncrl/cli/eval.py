@@ -15,6 +15,7 @@ from asyncrl.cli.export import checkpoint_policy
 from asyncrl.config import ConfigError
 from asyncrl.config.data import BUILTIN_REWARDS
 from asyncrl.config.keys import build_config
+from asyncrl.models.device import bound_onednn_cache
 from asyncrl.rollout.evaluation import build_evaluator, task_reward_pool
 from asyncrl.tasks.source import load_task
 
@@ -40,6 +41,7 @@ def evaluate_checkpoint(
             "asyncrl eval runs no code named by a run dir; name it on the command line to "
             f"import it: data.reward_fn={config.data.reward_fn}"
         )
+    bound_onednn_cache()
     if config.run.torch_threads:  # as the run evaluated: the same float reduction order
         torch.set_num_threads(config.run.torch_threads)
     policy, _ = checkpoint_policy(verified)

@@ -34,7 +34,7 @@ from ray.exceptions import RayActorError
 from asyncrl.config import Config
 from asyncrl.distributed.weights import ObjectStoreWeightSync, from_numpy
 from asyncrl.faults import fault_point
-from asyncrl.models.device import DTYPES, resolve_device
+from asyncrl.models.device import DTYPES, bound_onednn_cache, resolve_device
 from asyncrl.rollout.engine import (
     EngineCapabilities,
     EngineSpec,
@@ -52,6 +52,7 @@ class GenerationWorker:
     def __init__(
         self, engine_name: str, spec: EngineSpec, max_versions: int, torch_threads: int
     ) -> None:
+        bound_onednn_cache()  # bf16 generation's products
         if torch_threads:
             import torch
 

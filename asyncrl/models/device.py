@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import os
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, MutableMapping
 
 import torch
 
@@ -78,6 +78,23 @@ def onednn_cap(environ: Mapping[str, str]) -> tuple[bool, str]:
             return True, ""
         return False, f"{key}={value} holds oneDNN below AVX512_CORE_BF16"
     return True, ""
+
+
+ONEDNN_CACHE_KEY = "ONEDNN_PRIMITIVE_CACHE_CAPACITY"
+ONEDNN_CACHE_CAPACITY = 128
+"""How many oneDNN primitives (a bf16 product's kernel, made for one shape) a process keeps;
+oneDNN's own default is 1024. A bf16 pass makes new ones for each micro-batch's token count,
+and on a CPU with AMX each held one holds memory: SmolLM2 with LoRA, 64 bf16 passes of 4 rows
+(Intel Xeon with amx_bf16, 2026-12-06) ended at 3.48 GB RSS with 1024 and 2.72 GB with 128, in
+the same time (124 s and 118 s); 64 cost 7% more time and 0 three times as much. fp32
+products (MKL's) make none."""
+
+
+def bound_onednn_cache(environ: MutableMapping[str, str] = os.environ) -> None:
+    """Sets oneDNN's primitive cache to `ONEDNN_CACHE_CAPACITY` unless `environ` names one
+    already (the user's value wins). oneDNN reads it when it makes its first primitive, so this
+    runs before a process's first pass; later calls change nothing."""
+    environ.setdefault(ONEDNN_CACHE_KEY, str(ONEDNN_CACHE_CAPACITY))
 
 
 def read_cpuinfo() -> str:

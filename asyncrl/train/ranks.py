@@ -59,7 +59,7 @@ from asyncrl.config import Config, ConfigError
 from asyncrl.distributed.heartbeat import Heartbeat, describe, group_store
 from asyncrl.distributed.ranks import LOCAL_RENDEZVOUS, TorchRanks, init_ranks
 from asyncrl.faults import fault_facts, fault_point
-from asyncrl.models.device import resolve_device
+from asyncrl.models.device import bound_onednn_cache, resolve_device
 from asyncrl.train.signals import SIGNALS
 
 COLLECTIVE_DEATH_WAIT_S = 5.0
@@ -337,6 +337,7 @@ def serve(device: torch.device) -> int:
     heartbeat = Heartbeat(
         group_store(), ranks.rank, (0,), config.train.rank_timeout_s, _exit_on_silent_rank_0
     )
+    bound_onednn_cache()
     if config.run.torch_threads:
         torch.set_num_threads(config.run.torch_threads)
     torch.use_deterministic_algorithms(config.run.deterministic)

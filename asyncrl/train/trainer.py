@@ -47,7 +47,7 @@ from asyncrl.core.episodes import recorded_steps
 from asyncrl.core.resume import ResumePlan
 from asyncrl.core.types import Group
 from asyncrl.faults import cut_facts, fault_facts, fault_point
-from asyncrl.models.device import dtype_line, model_device
+from asyncrl.models.device import bound_onednn_cache, dtype_line, model_device
 from asyncrl.models.lora import check_base, checkpoint_part, save_final
 from asyncrl.rollout.collector import Chunk, GenerationFailed
 from asyncrl.rollout.episodes import EpisodeRunner
@@ -98,6 +98,7 @@ class Trainer:
         self.run_dir = run.path
         self.run = run
         self.stop = stop or StopRequest()
+        bound_onednn_cache()  # before the first bf16 pass, which fixes oneDNN's cache size
         if config.run.torch_threads:
             torch.set_num_threads(config.run.torch_threads)
         torch.use_deterministic_algorithms(config.run.deterministic)  # process-wide: set both ways
