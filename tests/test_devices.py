@@ -257,7 +257,10 @@ def test_a_run_bounds_onednns_primitive_cache_unless_the_user_set_it(tmp_path, m
     assert environ == {ONEDNN_CACHE_KEY: "4096"}
 
     config = small_config(*SHORT)
-    monkeypatch.delenv(ONEDNN_CACHE_KEY, raising=False)
+    # set first, so the teardown gives the suite back its own value: delenv of an absent key
+    # records nothing, and the trainer's 128 would stay in os.environ for the tests after
+    monkeypatch.setenv(ONEDNN_CACHE_KEY, "0")
+    monkeypatch.delenv(ONEDNN_CACHE_KEY)
     Trainer(config, open_run_dir(tmp_path / "a", config)).close()
     assert os.environ[ONEDNN_CACHE_KEY] == "128"
     monkeypatch.setenv(ONEDNN_CACHE_KEY, "7")
