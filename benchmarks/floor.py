@@ -32,7 +32,11 @@ activations, rotary embeddings, softmax, sampling,
 the optimizer's update and the weight publish. The measured side is the run's own record:
 `train_s` of each step and the `generate` spans of `timeline.jsonl`, over the steps from
 `--warmup` on (the first steps allocate and warm up). It prints each part's measured seconds,
-floor and ratio, the FLOPs and rates, and, last:
+floor and ratio, the FLOPs and rates; then training's products timed again at each pass's own
+rows (`passes`: a micro-batch's prompt pass and completion pass, each padded to its longest
+row, as the trainer runs them; the floor times the step's rows at once, where the rate is the
+highest), which splits `train_x` into what the passes' shapes cost the products and what lies
+outside the products; and, last:
 
     floor: train_x=A gen_x=B step_s=S floor_s=F dtype=D cpu=FLAGS
 
@@ -48,6 +52,7 @@ decide the dtype (avx2, avx512f, avx512_bf16, amx_bf16).
 from __future__ import annotations
 
 import argparse
+import copy
 import itertools
 import os
 import platform
@@ -79,6 +84,10 @@ SCALE_ROWS = 2048
 BUCKET_ROWS = 128
 """Products over at least this many rows (and at most SCALE_ROWS) are timed at the row count
 rounded up to a multiple of it, once, and scaled down by their rows (see `Floor._scaled`)."""
+PASS_ROWS = 16
+"""The finer bucket of the products timed at each training pass's own rows
+(`Floor.at_pass_shapes`): a pass of SmolLM2 runs 80-320 rows, where the rate still grows with
+them."""
 VERBS = {"train": "trained", "generate": "generated"}
 FLAGS = ("avx2", "avx512f", "avx512_bf16", "amx_bf16")
 CAP_KEYS = (*ONEDNN_CAP_KEYS, "ATEN_CPU_CAPABILITY", "MKL_ENABLE_INSTRUCTIONS")
@@ -160,6 +169,7 @@ class Floor:
         self.shapes = shapes
         self.dtype = dtype
         self.repeats = repeats
+        self.bucket = BUCKET_ROWS
         self.body = [w.detach().to(dtype).contiguous() for w in shapes.body]
         self.head = shapes.head.detach().to(dtype).contiguous()
         self.adapters = [w.detach().to(dtype).contiguous() for w in shapes.adapters]
@@ -167,18 +177,25 @@ class Floor:
         self._per_row: dict[tuple[Any, ...], float] = {}
 
     def _scaled(self, kind: str, weights: list[torch.Tensor], rows: int, time_rows: Any) -> float:
-        """`time_rows(weights, rows)`: timed as it is below BUCKET_ROWS rows; up to SCALE_ROWS,
-        timed once at the rows rounded up to a multiple of BUCKET_ROWS and scaled down by the
-        rows (a run's steps then share a few timings: one per bucket, not one per step); past
-        SCALE_ROWS, timed at SCALE_ROWS and scaled by the rows (a product's time grows
-        linearly there)."""
-        timed = SCALE_ROWS if rows > SCALE_ROWS else -(-rows // BUCKET_ROWS) * BUCKET_ROWS
-        if rows < BUCKET_ROWS:
+        """`time_rows(weights, rows)`: timed as it is below `self.bucket` (BUCKET_ROWS) rows; up
+        to SCALE_ROWS, timed once at the rows rounded up to a multiple of the bucket and scaled
+        down by the rows (a run's steps then share a few timings: one per bucket, not one per
+        step); past SCALE_ROWS, timed at SCALE_ROWS and scaled by the rows (a product's time
+        grows linearly there)."""
+        timed = SCALE_ROWS if rows > SCALE_ROWS else -(-rows // self.bucket) * self.bucket
+        if rows < self.bucket:
             timed = rows
         key = (kind, timed, *map(id, weights))
         if key not in self._per_row:
             self._per_row[key] = time_rows(weights, timed) / timed if timed else 0.0
         return self._per_row[key] * rows
+
+    def at_pass_shapes(self) -> Floor:
+        """This floor timing products in buckets of PASS_ROWS rows, so that a training pass's
+        products are timed near its own rows (the same weights and timings)."""
+        fine = copy.copy(self)
+        fine.bucket = PASS_ROWS
+        return fine
 
     def forward_s(self, weights: list[torch.Tensor], rows: int) -> float:
         """The forward products of `weights` over `rows` rows."""
@@ -246,6 +263,9 @@ class Part:
     flops: float
     tokens: int
     """Completion tokens, over the steps (then per step)."""
+    passes_s: float = 0.0
+    """Training: the floor's products timed at each pass's own rows, as the trainer pads them
+    (`Passes.shapes`), instead of the step's rows at once; the same attention."""
 
     @property
     def ratio(self) -> float:
@@ -300,6 +320,26 @@ class Passes:
             pairs += sum(c * p + c * (c + 1) / 2 for _, p, c in part)  # the completions'
         return body, head, pairs
 
+    def shapes(self, rows: list[tuple[int, int, int]]) -> list[tuple[int, int]]:
+        """For `rows` (dataset index, prompt tokens, completion tokens) in the trainer's order,
+        each pass's (rows through the body as the pass pads them, completion tokens through
+        the output layer): with `shared_prompts`, a micro-batch's prompt pass (its distinct
+        prompts left-padded to the longest) and its completion pass (every row up to the
+        longest completion but its last token, `used_width`); else one pass of every row
+        padded to the longest prompt plus the longest completion."""
+        shapes = []
+        for cut in micro_batches(len(rows), self.micro_batch_size):
+            part = rows[cut]
+            longest = max(c for _, _, c in part)
+            head = sum(c for _, _, c in part)
+            if not self.shared_prompts:
+                shapes.append((len(part) * (max(p for _, p, _ in part) + longest), head))
+                continue
+            distinct = [r for i, r in enumerate(part) if i == 0 or part[i - 1][0] != r[0]]
+            shapes.append((len(distinct) * max(p for _, p, _ in distinct), 0))
+            shapes.append((len(part) * (longest - 1), head))
+        return shapes
+
 
 def train_part(
     run: Path,
@@ -309,9 +349,11 @@ def train_part(
     passes: Passes = Passes(),
 ) -> Part:
     """Training over `steps` (their metrics records) against the products of their tokens,
-    counted as `passes` runs them."""
+    counted as `passes` runs them; and (`Part.passes_s`) the same products at each pass's own
+    rows."""
     measured = sum(r["train_s"] for r in steps)
-    floor_s, flops, tokens = 0.0, 0.0, 0
+    floor_s, flops, tokens, passes_s = 0.0, 0.0, 0, 0.0
+    fine = floor.at_pass_shapes()
     spans = completions_by_ordinal(run)
     shapes = floor.shapes
     trains = not shapes.frozen  # the body's and the output layer's weight gradients
@@ -322,8 +364,8 @@ def train_part(
         for ordinal, index in zip(
             record["prompt_ordinals"], record["dataset_indices"], strict=True
         ):
-            if ordinal not in skipped:
-                rows += [(index, lengths[index], n) for n in spans[ordinal]]
+            if ordinal not in skipped:  # the trainer's order: a group's shortest rows first
+                rows += [(index, lengths[index], n) for n in sorted(spans[ordinal])]
         if "trained_rows" in record and len(rows) != record["trained_rows"]:
             raise SystemExit(
                 f"{run}: step {record['step']} trained {record['trained_rows']:.0f} rows but "
@@ -343,23 +385,34 @@ def train_part(
         body_s = floor.training_s(floor.body, body_rows, trains)
         rate = body_flops / body_s
         attention = 3 * floor.attention_flops(pairs)
-        floor_s += (
-            body_s
-            + floor.training_s([floor.head], head_rows, trains)
-            + (floor.training_s(floor.adapters, body_rows) if floor.adapters else 0.0)
-            + attention / rate
-        )
+        attention_s = attention / rate
+        if passes.reference:  # the frozen reference's forward: attention once more
+            attention_s += floor.attention_flops(pairs) / rate
+        floor_s += attention_s + products_s(floor, body_rows, head_rows, trains, passes.reference)
+        passes_s += attention_s
+        for body, head in passes.shapes(rows):
+            passes_s += products_s(fine, body, head, trains, passes.reference)
         if passes.reference:  # the frozen reference's forward (adapters off, in a LoRA run)
             ref_flops = shapes.linear_flops(shapes.body, body_rows) + shapes.linear_flops(
                 [shapes.head], head_rows
             )
-            ref_s = floor.forward_s(floor.body, body_rows) + floor.forward_s(
-                [floor.head], head_rows
-            )
-            floor_s += ref_s + floor.attention_flops(pairs) / rate
             step_flops += ref_flops + floor.attention_flops(pairs)
         flops += step_flops + attention
-    return Part("train", measured, floor_s, flops, tokens)
+    return Part("train", measured, floor_s, flops, tokens, passes_s)
+
+
+def products_s(floor: Floor, body: int, head: int, trains: bool, reference: bool) -> float:
+    """A training pass's products over `body` rows through the body and `head` through the
+    output layer: forward and backward (the weights' gradients where they `trains`, else the
+    adapters' over the body's rows), and (`reference`) the KL reference's forward."""
+    seconds = floor.training_s(floor.body, body, trains) + floor.training_s(
+        [floor.head], head, trains
+    )
+    if floor.adapters:
+        seconds += floor.training_s(floor.adapters, body)
+    if reference:
+        seconds += floor.forward_s(floor.body, body) + floor.forward_s([floor.head], head)
+    return seconds
 
 
 def completions_by_ordinal(run: Path) -> dict[int, list[int]]:
@@ -530,6 +583,7 @@ def measure(
     for part in parts:  # per step
         part.measured_s /= count
         part.floor_s /= count
+        part.passes_s /= count
         part.flops /= count
         part.tokens //= count
     walls = [records[s]["wall_s"] for s in sorted(steps_in)]
@@ -582,6 +636,13 @@ def main(argv: list[str] | None = None) -> None:
             f"({part.tokens} completion tokens {VERBS[part.name]} a step)"
         )
     train, gen = parts
+    shaped = train.passes_s / train.floor_s if train.floor_s else float("nan")
+    rest = train.measured_s / train.passes_s if train.passes_s else float("nan")
+    print(
+        f"  passes    training's products at its passes' own rows (each pass padded to its "
+        f"longest row), not the step's at once: {train.passes_s:.2f} s (x{shaped:.2f} the "
+        f"floor); the measured training is x{rest:.2f} that"
+    )
     floor_s = max(train.floor_s, gen.floor_s)
     busiest = max(train.measured_s, gen.measured_s)
     print(

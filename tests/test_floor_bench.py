@@ -218,3 +218,47 @@ def test_a_products_time_is_measured_once_per_bucket_of_rows_and_scaled():
     assert floor._scaled("k", floor.body, 6000, time_rows) == pytest.approx(6000)
     assert floor._scaled("k", floor.body, 0, time_rows) == 0
     assert timed == [1024, 50, 2048]  # 1000 and 1010 share the bucket of 1024; 0 is 0
+
+
+def test_each_pass_is_counted_at_its_own_rows_as_the_trainer_pads_it():
+    # (dataset index, prompt tokens, completion tokens) in the trainer's order
+    rows = [(0, 10, 3), (0, 10, 4), (1, 20, 5), (1, 20, 2)]
+    # shared: a micro-batch's prompt once, then its rows up to the longest completion but its
+    # last token (the prompt pass's last position predicts the first)
+    assert Passes(2, shared_prompts=True).shapes(rows) == [(10, 0), (2 * 3, 7), (20, 0), (2 * 4, 7)]
+    # one pass of all: both prompts left-padded to 20, every row up to 5 tokens
+    assert Passes(0, shared_prompts=True).shapes(rows) == [(2 * 20, 0), (4 * 4, 14)]
+    # a prompt a row: every row padded to its pass's longest prompt plus its longest completion
+    assert Passes(2, shared_prompts=False).shapes(rows) == [(2 * 14, 7), (2 * 25, 7)]
+
+
+def test_the_passes_products_are_timed_at_each_pass_in_the_trainers_order(tmp_path):
+    # group 0's completions as generated (4 then 3); the trainer runs the shortest first
+    spans = [{"kind": "generate", "ordinals": [0, 1], "token_counts": [[4, 3], [5, 2]]}]
+    write_timeline(tmp_path, spans)
+    floor = RowCountingFloor(Shapes.of(tiny()), torch.float32, repeats=1)
+    step = {"step": 0, "train_s": 1.0, "prompt_ordinals": [0, 1], "dataset_indices": [0, 1]}
+    passes = Passes(1, shared_prompts=True)
+    part = train_part(tmp_path, [step], [10, 20], floor, passes)
+    rows = [(0, 10, 3), (0, 10, 4), (1, 20, 2), (1, 20, 5)]
+    # attention forward and backward (x3) at the body's rate (3 x a row's FLOPs a second)
+    attention = floor.attention_flops(passes.tokens(rows)[2]) / floor.shapes.linear_flops(
+        floor.shapes.body, 1
+    )
+    # a second a row: the floor's body and head tokens; the passes' padded rows (each prompt
+    # again for each row, one micro-batch a row) and the same head
+    assert part.floor_s == pytest.approx(10 + 3 + 10 + 4 + 20 + 2 + 20 + 5 + 14 + attention)
+    assert part.passes_s == pytest.approx(10 + 2 + 10 + 3 + 20 + 1 + 20 + 4 + 14 + attention)
+    # a group of four in passes of two: sorted, its rows run as [1, 2] and [4, 5] (unsorted,
+    # [5, 2] and [4, 1]: 2 x 4 + 2 x 3 rows)
+    write_timeline(
+        tmp_path, [{"kind": "generate", "ordinals": [0], "token_counts": [[5, 2, 4, 1]]}]
+    )
+    one = {**step, "prompt_ordinals": [0], "dataset_indices": [0]}
+    passes = Passes(2, shared_prompts=True)
+    part = train_part(tmp_path, [one], [10, 20], floor, passes)
+    rows = [(0, 10, 1), (0, 10, 2), (0, 10, 4), (0, 10, 5)]
+    attention = floor.attention_flops(passes.tokens(rows)[2]) / floor.shapes.linear_flops(
+        floor.shapes.body, 1
+    )
+    assert part.passes_s == pytest.approx(10 + 2 * 1 + 10 + 2 * 4 + 12 + attention)
