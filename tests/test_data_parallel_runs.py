@@ -137,7 +137,7 @@ def test_a_stopped_rank_stops_the_run_in_seconds_and_a_rerun_resumes(tmp_path, r
     finally:
         proc.kill()
         if rank in rank_processes(proc.pid):
-            with contextlib.suppress(ProcessLookupError):  # it may end between the look and the kill
+            with contextlib.suppress(ProcessLookupError):  # it may end after the look
                 os.kill(rank, signal.SIGKILL)
     assert proc.returncode == 1, out
     assert "trainer rank 1 sent no heartbeat for" in out, out
