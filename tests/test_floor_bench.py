@@ -14,13 +14,12 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from asyncrl.config import LoraConfig
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-from floor import (
+from floor import busy_shares, covered
+from floor_counts import (
     Floor,
     Passes,
     Shapes,
-    busy_shares,
     completions_by_ordinal,
-    covered,
     generate_part,
     train_part,
 )
