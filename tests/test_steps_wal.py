@@ -10,6 +10,7 @@ partial after its step; the environment counts what it is asked, by id and text.
 from __future__ import annotations
 
 import json
+import os
 from typing import ClassVar
 
 import pytest
@@ -218,3 +219,115 @@ def test_a_torn_last_line_does_not_move_the_offset_past_the_next_record(policy, 
     third = runner(policy, log)
     third.log.load(second.log.log_mark, lambda k: True)
     assert third.logged_steps() == {"0:0:0"}
+
+
+# --- one rule in every mode and for every state (issue 63, defects 1, 2 and 8)
+
+
+def det_runner(policy, log, env=Tally):
+    from asyncrl.tasks.games import guess_number_examples
+
+    return EpisodeRunner(env, "tally", guess_number_examples(4, 0), policy.tokenizer,
+                         policy.eos_id, 0, 3, 3, 64, steps_log=log,
+                         deterministic=True)  # fmt: skip
+
+
+def test_a_deterministic_resume_answers_a_group_it_starts_again_from_the_log(policy, tmp_path):
+    """Defect 1: in deterministic mode a group with no saved samples (handed out after the
+    cut) is generated again, bitwise the same; its steps keep the ids the log holds them by
+    and are answered from it. Before, the group took restart count 1 and its steps were asked
+    again under new ids (`0:0:0:1`), which no journal keyed by id could tell."""
+    log, _, offset, oracle = checkpoint_then_step(policy, tmp_path)
+    assert Tally.asked == [("0:0:0", "33")]
+    second = det_runner(policy, log)
+    second.log.load(offset, lambda k: True)
+    opened = second.open(TICKET, None, 2)  # not in the checkpoint: started again
+    assert [e.restarts for e in opened.episodes] == [0, 0]
+    again = first_pass(policy, second, opened)  # the same tokens, as deterministic mode makes
+    assert Tally.asked == [("0:0:0", "33")], "a logged step was asked again"
+    assert rows(again, 0) == rows(oracle, 0) and again.episodes[0] == oracle.episodes[0]
+    # the control: an episode that starts over (restart_episode) asks under a new id
+    third = EpisodeRunner(Tally, "tally", second.examples, policy.tokenizer, policy.eos_id, 0,
+                          3, 3, 64, steps_log=log, restart_on_resume=True)  # fmt: skip
+    third.log.load(offset, lambda k: True)
+    first_pass(policy, third, third.open(TICKET, None, 2))
+    assert Tally.asked[-1] == ("0:0:0:1", "33")
+
+
+class TensorTally(Tally):
+    """Restorable, its state a tensor (the protocol allows tensors in a state)."""
+
+    restore = "restorable"
+
+    def reset(self, example, seed):
+        self.total = torch.zeros(2, dtype=torch.float64)
+        return super().reset(example, seed)
+
+    def step(self, assistant_text, step_id):
+        self.total += torch.tensor([len(assistant_text), 0.1])
+        return super().step(assistant_text, step_id)
+
+    def state_dict(self):
+        return {"total": self.total, "note": ("a", 1)}
+
+    def load_state_dict(self, state):
+        self.total = state["total"].clone()
+
+
+@pytest.mark.parametrize("deterministic", [False, True], ids=["default", "deterministic"])
+def test_a_step_whose_state_holds_a_tensor_is_answered_from_the_log(
+    policy, tmp_path, deterministic
+):
+    """Defect 2: the result record held a `restorable` environment's state only where it was
+    JSON, so a state with a tensor made recovery ask the step again. Now the state is logged
+    as the checkpoint's codec writes it (a JSON tree, its tensors a safetensors file), and
+    comes back bit for bit."""
+    log, saved, offset, oracle = checkpoint_then_step(policy, tmp_path, TensorTally)
+    make = det_runner if deterministic else runner
+    second = make(policy, log, TensorTally)
+    second.log.load(offset, lambda k: True)
+    opened = second.open(TICKET, saved, 2)
+    if deterministic:  # the turn generated again, its step answered from the log
+        opened = first_pass(policy, second, opened)
+    assert Tally.asked == [("0:0:0", "33")], "a logged step was asked again"
+    state = opened.episodes[0].env_state
+    want = oracle.episodes[0].env_state
+    assert torch.equal(state["total"], want["total"]) and state["total"].dtype == torch.float64
+    assert state["note"] == ("a", 1)
+    assert rows(opened, 0) == rows(oracle, 0)
+    result = json.loads(log.read_text().splitlines()[1])
+    assert result["kind"] == "result" and "state_tensors" in result  # safetensors, no pickle
+
+
+def test_every_request_is_durable_before_any_environment_acts(policy, tmp_path, monkeypatch):
+    """Defect 8: the steps log was flushed, not fsynced, while a tool's journal is: after a
+    host crash the journal could be ahead of the log. Each fsync of the log is recorded (the
+    bytes durable at that moment); the environment, when asked, checks that its request is
+    among them. One fsync covers a pass's requests (a group commit)."""
+    log = tmp_path / "env_steps.jsonl"
+    durable = {"bytes": 0, "syncs": 0}
+    real_fsync = os.fsync
+
+    def fsync(fd):
+        real_fsync(fd)
+        if os.readlink(f"/proc/self/fd/{fd}") == str(log):
+            durable["bytes"] = os.fstat(fd).st_size
+            durable["syncs"] += 1
+
+    monkeypatch.setattr(os, "fsync", fsync)
+
+    class Checking(Tally):
+        def step(self, assistant_text, step_id):
+            lines = log.read_bytes()[: durable["bytes"]].decode().splitlines()
+            assert any(json.loads(x)["step_id"] == step_id for x in lines), "not durable"
+            return super().step(assistant_text, step_id)
+
+    Tally.asked = []
+    run = runner(policy, log, Checking)
+    partial = run.start(TICKET, 2)
+    d, eos = policy.tokenizer.convert_tokens_to_ids("3"), policy.eos_id
+    both = torch.tensor([[d, eos], [d, eos]])
+    partial = partial.extend(both, both == both, torch.zeros(2, 2), 0, torch.tensor([True, True]))
+    run.advance(TICKET, partial)
+    assert [sid for sid, _ in Tally.asked] == ["0:0:0", "0:1:0"]
+    assert durable["syncs"] == 2  # the two requests at once, then the two results

@@ -12,18 +12,21 @@ resume as the environment's `restore` kind says.
 
 from __future__ import annotations
 
+import base64
 import copy
 import json
 from collections.abc import Sequence
 from dataclasses import replace
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
+from safetensors.torch import load as load_tensors
+from safetensors.torch import save as save_tensors
 from transformers import PreTrainedTokenizerBase
 
 from asyncrl.checkpoint.restore import SKIP_RESTORE
-from asyncrl.checkpoint.snapshot import flatten_part
+from asyncrl.checkpoint.snapshot import flatten_part, unflatten
 from asyncrl.core.episodes import Episode, Message, parse_step_id, step_id, text_sha256
 from asyncrl.core.partial import Partial
 from asyncrl.core.resume import ResumePolicy, SavedSample, starts_over
@@ -35,10 +38,25 @@ from asyncrl.rollout.steps_log import StepsLog
 from asyncrl.tasks.environments import Environment
 from asyncrl.tasks.examples import Example
 
+STATE_PART = "env_state"
+"""The name a `restorable` environment's state is flattened under (its tensors' prefix)."""
+
 
 def env_seed(seed: int, ordinal: int, sample: int) -> int:
     """The seed `reset` gets for one episode: a function of (run seed, ordinal, sample)."""
     return derived_seed("asyncrl-env", seed, ordinal, sample)
+
+
+class _Due(NamedTuple):
+    """A sample's ended turn in a pass, before its step is applied (`EpisodeRunner.advance`)."""
+
+    sample: int
+    episode: Episode
+    text: str
+    step_id: str
+    env: Any
+    """Its live environment, to ask (None where the log answers it)."""
+    logged: tuple[list[Message], float | None, bool, Any] | None
 
 
 class EpisodeError(RuntimeError):
@@ -99,12 +117,15 @@ class EpisodeRunner:
         return self._prompts[ticket.ordinal]
 
     def start(self, ticket: PromptTicket, num_samples: int) -> Partial:
-        """New episodes for a group: an environment per sample, reset; under step ids the
-        steps log does not hold (a group started over after a kill counts a restart)."""
-        return self._started(ticket, num_samples, logged=False)
+        """New episodes for a group: an environment per sample, reset. Their steps have the
+        ids the steps log knows them by (restart 0), so each step the log answered is answered
+        from it again (`_logged_answer`), in every mode; only an episode that starts over
+        (`starts_over`) takes a restart count past the log's, so its steps have new ids."""
+        return self._started(ticket, num_samples, logged=not self.starts_over)
 
     def _started(self, ticket: PromptTicket, num_samples: int, logged: bool) -> Partial:
-        """New episodes; `logged`: under the step ids of the log's (restart 0), to recover."""
+        """New episodes; `logged`: under the step ids of the log's (restart 0); else under a
+        restart count past every one the log asked steps under."""
         episodes = [
             Episode(tuple(self._reset(ticket, i)),
                     restarts=0 if logged else self.log.restarts(ticket.ordinal, i, 0))
@@ -167,12 +188,21 @@ class EpisodeRunner:
         """Every sample whose assistant turn just ended gets its environment's step: the
         reply appended and the next turn opened, or its episode ended. An ended episode (the
         environment's done or a limit) is finished and never stepped again, however many
-        passes its siblings still take."""
+        passes its siblings still take.
+
+        A group commit: every step's request is written to the steps log and made durable
+        (one fsync) before any environment is asked; the results follow, made durable
+        together after the last (a step answered from the log is asked nothing)."""
         assert partial.episodes is not None
-        for i, episode in enumerate(partial.episodes):
-            if not bool(partial.finished[i]) or episode.ended:
-                continue
-            partial = self._step(ticket, partial, i, episode)
+        due = [
+            self._due(ticket, partial, i, episode)
+            for i, episode in enumerate(partial.episodes)
+            if bool(partial.finished[i]) and not episode.ended
+        ]
+        self.log.sync()  # the requests are durable before any environment acts
+        for step in due:
+            partial = self._step(ticket, partial, step)
+        self.log.sync()
         return partial
 
     def scores(self, partial: Partial) -> Scored:
@@ -192,16 +222,17 @@ class EpisodeRunner:
 
     # --- one step
 
-    def _step(self, ticket: PromptTicket, partial: Partial, i: int, episode: Episode) -> Partial:
-        """The environment's step for sample `i`'s ended turn: the request written ahead to
-        the steps log, the step asked, its result written after, then applied."""
+    def _due(self, ticket: PromptTicket, partial: Partial, i: int, episode: Episode) -> _Due:
+        """Sample `i`'s ended turn: answered from the steps log where it holds the step's
+        result, else its request written ahead to the log (not yet durable: `advance` syncs
+        a pass's requests at once) and its environment brought up to date."""
         length = partial.lengths[i]
         ids = [int(x) for x in partial.tokens[i, episode.turn_start : length]]
         text = str(self.tokenizer.decode(ids, skip_special_tokens=True))
         sid = step_id(ticket.ordinal, i, episode.num_turns, episode.restarts)
         logged = self._logged_answer(ticket, i, sid, text)
         if logged is not None:
-            return self._answered(partial, i, episode, text, sid, *logged)
+            return _Due(i, episode, text, sid, None, logged)
         env = self._live_env(ticket, i, episode)
         span = slice(episode.turn_start, length)
         self.log.append({
@@ -214,13 +245,22 @@ class EpisodeRunner:
             "logprobs": [float(x) for x in partial.logprobs[i, span]],
             "versions": [int(x) for x in partial.versions[i, span]],
         })  # fmt: skip
+        return _Due(i, episode, text, sid, env, None)
+
+    def _step(self, ticket: PromptTicket, partial: Partial, due: _Due) -> Partial:
+        """A due turn's step applied: its logged answer, or the environment asked (its
+        request already durable) and its result written after."""
+        i, episode, text, sid = due.sample, due.episode, due.text, due.step_id
+        if due.logged is not None:
+            return self._answered(partial, i, episode, text, sid, *due.logged)
         try:
-            messages, reward, done = env.step(text, sid)
+            messages, reward, done = due.env.step(text, sid)
         except Exception as err:
             raise EpisodeError(f"env.name={self.env_name}: step {sid} raised {err!r}") from err
         fault_point("episode.env_answered")  # asked, its result not yet logged
         _check_messages(messages, f"env.name={self.env_name}: step {sid}")
-        state = self._state(env, sid) if self.env_class.restore == "restorable" else None
+        restorable = self.env_class.restore == "restorable"
+        state = self._state(due.env, sid) if restorable else None
         result: dict[str, Any] = {
             "kind": "result",
             "step_id": sid,
@@ -228,9 +268,8 @@ class EpisodeRunner:
             "messages": [dict(m) for m in messages],
             "reward": None if reward is None else float(reward),
             "done": bool(done),
+            **(encode_state(state) if restorable else {}),
         }
-        if state is not None and _is_json(state):  # else recovery asks the step again
-            result["state"] = state
         self.log.append(result)
         fault_point("episode.env_step")
         return self._answered(partial, i, episode, text, sid, messages, reward, bool(done), state)
@@ -251,12 +290,28 @@ class EpisodeRunner:
                 f"(hash {request.get('text_sha256')}, now {text_sha256(text)}); a step id names "
                 "one request (a deterministic run that did not generate the same text?)"
             )
-        result = self.log.results.get(sid)
-        restorable = self.env_class.restore == "restorable"
-        if result is None or (restorable and "state" not in result):
+        answer = self._logged_result(sid)
+        if answer is None:
             return None  # asked again: an environment's step is idempotent per id
         self._stale.add((ticket.ordinal, i))  # its environment did not see this step
-        return result["messages"], result["reward"], bool(result["done"]), result.get("state")
+        return answer
+
+    def _logged_result(self, sid: str) -> tuple[list[Message], float | None, bool, Any] | None:
+        """The one rule for a step the steps log asked, in every mode and for every kind of
+        environment: where its result was logged, the step is answered from the log and never
+        asked again; where it was not (the kill came inside the step), None: it is asked again
+        with the same id and text. A `restorable` environment's state comes back with the
+        result, tensors included (`decode_state`); a result logged by a version that kept
+        only JSON states, without its state, cannot be answered (None)."""
+        result = self.log.results.get(sid)
+        if result is None:
+            return None
+        state = None
+        if self.env_class.restore == "restorable":
+            if "state" not in result:
+                return None
+            state = decode_state(result)
+        return result["messages"], result["reward"], bool(result["done"]), state
 
     def _live_env(self, ticket: PromptTicket, i: int, episode: Episode) -> Any:
         """Sample `i`'s environment, brought up to its episode's last turn where steps were
@@ -329,7 +384,7 @@ class EpisodeRunner:
         failure names this step, not a checkpoint steps later."""
         state = self._call(env.state_dict, "state_dict", f"step {sid}")
         try:
-            json.dumps(flatten_part("env_state", state, {}))
+            json.dumps(flatten_part(STATE_PART, state, {}))
             return copy.deepcopy(state)
         except (TypeError, ValueError, RecursionError) as err:
             raise EpisodeError(
@@ -381,15 +436,11 @@ class EpisodeRunner:
                     i, episode.turn_start, ids, request["logprobs"], request["versions"]
                 )
                 count += 1
-                result = self.log.results.get(sid)
-                restorable = self.env_class.restore == "restorable"
-                if result is None or (restorable and "state" not in result):
+                answer = self._logged_result(sid)
+                if answer is None:
                     break  # asked again by `resume`
                 text = str(self.tokenizer.decode(ids, skip_special_tokens=True))
-                partial = self._answered(
-                    partial, i, episode, text, sid, result["messages"], result["reward"],
-                    bool(result["done"]), result.get("state"),
-                )  # fmt: skip
+                partial = self._answered(partial, i, episode, text, sid, *answer)
         return partial, count
 
     # --- environments and rendering
@@ -489,12 +540,24 @@ def _last_step(episode: Episode) -> str:
     return episode.turns[-1].step_id if episode.turns else "none"
 
 
-def _is_json(value: Any) -> bool:
-    try:
-        json.dumps(value)
-    except (TypeError, ValueError):
-        return False
-    return True
+def encode_state(state: Any) -> dict[str, Any]:
+    """A `restorable` environment's state as the steps log's result record holds it: `state`,
+    the JSON tree the checkpoint's codec makes of it (`flatten_part`: each tensor a
+    `{"__tensor__": NAME}` reference), and where it has tensors, `state_tensors`, their
+    safetensors file as base64 (no pickle: DESIGN.md I7). A JSON state is stored as itself."""
+    tensors: dict[str, torch.Tensor] = {}
+    tree = flatten_part(STATE_PART, state, tensors)
+    if not tensors:
+        return {"state": tree}
+    owned = {k: v.detach().to("cpu").contiguous().clone() for k, v in tensors.items()}
+    return {"state": tree, "state_tensors": base64.b64encode(save_tensors(owned)).decode()}
+
+
+def decode_state(record: dict[str, Any]) -> Any:
+    """The state `encode_state` put into a result record, its tensors bit for bit."""
+    packed = record.get("state_tensors")
+    tensors = load_tensors(base64.b64decode(packed)) if packed else {}
+    return unflatten(record["state"], tensors)
 
 
 def _check_messages(messages: Any, where: str) -> None:

@@ -1,13 +1,15 @@
 """The steps log of multi-turn runs (`RUN_DIR/env_steps.jsonl`) as a write-ahead log: each
 environment step's request (the turn's tokens, log-probs, versions, text hash) is appended and
-flushed before the environment is asked, its result after; a resume reads it from its
-checkpoint's offset and the episode runner recovers the turns past the cut from it
-(docs/environments.md). The file and this launch's index of it; no environment, no torch.
+fsynced before the environment is asked (one fsync for a pass's requests), its result after;
+a resume reads it from its checkpoint's offset and the episode runner recovers the turns past
+the cut from it (docs/environments.md). The file and this launch's index of it; no
+environment, no torch.
 """
 
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -23,6 +25,9 @@ class StepsLog:
         self.attempt = 0  # the trainer sets its own
         self._opened = False
         self._size = 0
+        self._unsynced = False
+        self.num_syncs = 0
+        """fsyncs made (`sync`), for the tests and the cost: one or two a pass that stepped."""
         self.log_mark = 0
         """The log's size when the collector's state last held every step asked (`mark`):
         a checkpoint cut taken now saves it, and its resume reads the log from there."""
@@ -35,7 +40,7 @@ class StepsLog:
         """Appends a record to the steps log, flushed (a SIGKILL loses at most a torn line,
         which the first append of the next launch cuts off, as `JsonlLog` does the records'),
         and to this launch's index of what it asked since the collector's last consistent
-        point (`mark`)."""
+        point (`mark`). Durable against a host crash only after `sync`."""
         self._index(record)
         if self.path is None:
             return
@@ -46,6 +51,19 @@ class StepsLog:
         with open(self.path, "a") as f:
             f.write(json.dumps(record, separators=(",", ":")) + "\n")
             self._size = f.tell()
+        self._unsynced = True
+
+    def sync(self) -> None:
+        """Makes every record appended so far durable (fsync): the episode runner calls it
+        once for all the requests of a pass before it asks any environment (a group commit),
+        so a step an environment acted on is in the log after a host crash too, and its
+        journal is never ahead of the log (one id, one request, one text)."""
+        if self.path is None or not self._unsynced:
+            return
+        with open(self.path, "rb") as f:
+            os.fsync(f.fileno())
+        self._unsynced = False
+        self.num_syncs += 1
 
     def _index(self, record: dict[str, Any]) -> None:
         kind = record.get("kind")
