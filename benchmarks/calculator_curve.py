@@ -12,7 +12,7 @@ run's own samples, per window of `--window` steps:
 - `reward`: the episodes' mean reward (`reward_mean`: correct + 0.2 for the boxed format);
 - `turns`: assistant turns per episode (`reward/turns`);
 - `tool`: the share of the window's episodes that called the calculator at least once, from the
-  environment's own journal (`RUN_DIR/env/calculator.jsonl`, one line per call, by step id
+  environment's own journal (`RUN_DIR/env/calculator.jsonl`, its rows by step id
   `ORDINAL:SAMPLE:TURN`), matched to the steps' `prompt_ordinals`.
 
 Last line:

@@ -38,7 +38,8 @@ def test_a_step_id_is_called_at_most_once_even_by_another_process(tmp_path, monk
     again = Journal(path)  # what a resumed process reads
     assert again.call("3:1:0", "6*7", "aa") == "42"
     rows = [json.loads(line) for line in path.read_text().splitlines()]
-    assert rows == [{"step_id": "3:1:0", "text_sha256": "aa", "expression": "6*7", "result": "42"}]
+    row = {"step_id": "3:1:0", "run_id": "", "text_sha256": "aa", "expression": "6*7"}
+    assert rows == [{**row, "intent": True}, {**row, "result": "42"}]  # the intent, then it
     with open(path, "a") as f:
         f.write('{"step_id": "3:1:1", "expr')  # a line torn by a kill was never used
     assert "3:1:1" not in Journal(path).results
@@ -60,6 +61,56 @@ def test_one_id_one_request_the_same_id_with_other_text_is_an_error(tmp_path):
     assert Journal(path).call("4:0:0", "1+2", "cc") == "3"
 
 
+def test_the_journal_records_its_intent_durably_before_the_tool_acts(tmp_path, monkeypatch):
+    """Issue 63, defect 8: `Journal.call` ran the tool and journaled it after, so a kill
+    between the two left no trace of an action taken. Now the intent is fsynced first; a kill
+    inside the tool leaves it alone, and the next call acts again (the calculator is pure; a
+    tool acting outside passes the key to its service: `idempotency_key`)."""
+    import os
+
+    path = tmp_path / "calculator.jsonl"
+    synced = {"bytes": 0}
+    real_fsync = os.fsync
+
+    def fsync(fd):
+        real_fsync(fd)
+        synced["bytes"] = os.fstat(fd).st_size
+
+    monkeypatch.setattr(os, "fsync", fsync)
+
+    def tool(expression: str) -> str:
+        rows = [json.loads(x) for x in path.read_bytes()[: synced["bytes"]].splitlines()]
+        assert rows and rows[-1]["intent"] and rows[-1]["step_id"] == "0:0:0", "no intent"
+        raise KeyboardInterrupt("killed inside the tool")
+
+    with pytest.raises(KeyboardInterrupt):
+        Journal(path, "run-a").call("0:0:0", "6*7", "aa", act=tool)
+    again = Journal(path, "run-a")  # the next launch
+    assert again.interrupted == {"run-a/0:0:0"} and not again.results
+    assert again.call("0:0:0", "6*7", "aa") == "42"  # acted again, once more, then journaled
+    assert Journal(path, "run-a").results == {"run-a/0:0:0": "42"}
+
+
+def test_a_journal_shared_by_two_runs_keeps_their_steps_apart(tmp_path):
+    """Issue 63, defect 9: step ids carry no run id, so a journal or service shared by two
+    runs answered run B's `0:0:0` with run A's result. Keys are `RUN_ID/STEP_ID`
+    (`idempotency_key`); a journal of an older version (no run id) is its own run's."""
+    from asyncrl.tasks.environments import idempotency_key
+
+    path = tmp_path / "shared.jsonl"
+    assert Journal(path, "run-a").call("0:0:0", "6*7", "aa") == "42"
+    assert Journal(path, "run-b").call("0:0:0", "1+1", "bb") == "2"  # not an error, not 42
+    assert Journal(path, "run-a").call("0:0:0", "6*7", "aa") == "42"
+    assert idempotency_key("run-b", "0:0:0") == "run-b/0:0:0"
+    env = Calculator()  # the episode runner hands the environment the run's id
+    env.set_run_id("run-c")
+    env.set_workdir(tmp_path)
+    env.reset(Example("q", "12", "x", ({"role": "user", "content": "3 times 4?"},)), 0)
+    env.step("<calc>3*4</calc>", "0:0:0")
+    row = json.loads((tmp_path / "calculator.jsonl").read_text().splitlines()[-1])
+    assert (row["run_id"], row["step_id"], row["result"]) == ("run-c", "0:0:0", "12")
+
+
 def test_the_environment_journals_the_hash_of_the_text_it_was_asked_with(tmp_path):
     from asyncrl.core.episodes import text_sha256
 
@@ -67,7 +118,7 @@ def test_the_environment_journals_the_hash_of_the_text_it_was_asked_with(tmp_pat
     env.set_workdir(tmp_path)
     env.reset(Example("q", "12", "x", ({"role": "user", "content": "3 times 4?"},)), 0)
     env.step("I compute <calc>3*4</calc>", "0:0:0")
-    row = json.loads((tmp_path / "calculator.jsonl").read_text())
+    row = json.loads((tmp_path / "calculator.jsonl").read_text().splitlines()[-1])
     assert row["text_sha256"] == text_sha256("I compute <calc>3*4</calc>")
     with pytest.raises(ValueError, match="0:0:0"):
         env.step("I compute <calc>3*5</calc>", "0:0:0")
@@ -86,6 +137,14 @@ def test_audit_finds_an_environment_step_executed_twice(tmp_path):
         f.write(json.dumps({"step_id": "0:1:0", "expression": "2+2", "result": "4"}) + "\n")
     _audit_journals(folder, report)
     assert not report.ok and "0:1:0" in report.violations[0]
+    # another run's rows in a shared journal are not this run's executions
+    shared = tmp_path / "shared"
+    Journal(shared / "tool.jsonl", "run-a").call("0:0:0", "1+1", "aa")
+    Journal(shared / "tool.jsonl", "run-b").call("0:0:0", "1+1", "aa")
+    for run_id, ok in (("run-a", True), ("", False)):
+        report = AuditReport(1, 4, 0)
+        _audit_journals(shared, report, run_id)
+        assert report.ok == ok, report.violations
 
 
 def test_a_turn_calls_the_tool_answers_or_is_reminded(tmp_path):
@@ -99,7 +158,8 @@ def test_a_turn_calls_the_tool_answers_or_is_reminded(tmp_path):
     assert env.step("hmm", "0:0:1").messages[0]["content"] == tools.REMINDER
     done = env.step("So \\boxed{12}.", "0:0:2")
     assert done.done and done.reward == pytest.approx(1.2)  # correct + 0.2 format
-    assert [json.loads(x)["step_id"] for x in (tmp_path / "calculator.jsonl").open()] == ["0:0:0"]
+    rows = [json.loads(x) for x in (tmp_path / "calculator.jsonl").open()]
+    assert [(r["step_id"], "result" in r) for r in rows] == [("0:0:0", False), ("0:0:0", True)]
 
 
 @pytest.fixture(scope="module")

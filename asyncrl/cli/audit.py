@@ -21,6 +21,7 @@
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -197,8 +198,15 @@ def audit_run_dir(run_dir: Path) -> AuditReport:
     )
     report.violations[:0] = [f"damaged record: {p}" for name in FILES for p in problems[name]]
     _audit_steps(run_dir, report, int((config.get("env") or {}).get("max_turns", 0)), strict)
-    _audit_journals(run_dir / "env", report)
+    _audit_journals(run_dir / "env", report, _run_id(run_dir))
     return report
+
+
+def _run_id(run_dir: Path) -> str:
+    try:
+        return str(json.loads((run_dir / "run.json").read_text())["run_id"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return ""
 
 
 def _audit_steps(
@@ -280,8 +288,10 @@ def _audit_steps(
         )
 
 
-def _audit_journals(folder: Path, report: AuditReport) -> None:
-    """I9 from the environments' journals: no step id executed twice."""
+def _audit_journals(folder: Path, report: AuditReport, run_id: str = "") -> None:
+    """I9 from the environments' journals: no step id executed twice (a result row is an
+    execution; an intent row, written before the tool acts, is not); rows another run wrote
+    (their `run_id`) are not this run's."""
     journals = sorted(folder.glob("*.jsonl")) if folder.is_dir() else []
     if not journals:
         return
@@ -292,7 +302,10 @@ def _audit_journals(folder: Path, report: AuditReport) -> None:
         for row in iter_jsonl(path, problems):
             if isinstance(row, dict) and "step_id" in row:
                 sid = str(row["step_id"])
-                seen[sid] = seen.get(sid, 0) + 1
+                if run_id and row.get("run_id") not in (None, "", run_id):
+                    continue  # another run's step, in a journal the runs share
+                if not row.get("intent"):  # an intent is not an execution: its result is
+                    seen[sid] = seen.get(sid, 0) + 1
                 asked = report.step_texts.get(sid)
                 if row.get("text_sha256") and asked and row["text_sha256"] != asked:
                     report.violations.append(

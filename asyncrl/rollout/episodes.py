@@ -79,8 +79,12 @@ class EpisodeRunner:
         steps_log: Path | None = None,
         restart_on_resume: bool = False,
         deterministic: bool = False,
+        run_id: str = "",
     ) -> None:
         self.env_class = env_class
+        self.run_id = run_id
+        """The run's id, handed to environments that take it (`set_run_id`): with a step id,
+        a key unique across runs (`asyncrl.tasks.environments.idempotency_key`)."""
         self.recover_tokens = not deterministic
         """Turns past a checkpoint come back from the steps log as tokens (`recover`); in
         deterministic mode they are generated again, bitwise the same (the engine's batches
@@ -450,6 +454,8 @@ class EpisodeRunner:
         example = self.examples[ticket.dataset_index]
         where = f"ordinal {ticket.ordinal} ({example.origin}) sample {sample}"
         env = self._call(self.env_class, "the constructor", where)
+        if self.run_id and callable(getattr(env, "set_run_id", None)):
+            self._call(env.set_run_id, "set_run_id", where, self.run_id)
         if self.workdir is not None and callable(getattr(env, "set_workdir", None)):
             self._call(env.set_workdir, "set_workdir", where, self.workdir)
         try:

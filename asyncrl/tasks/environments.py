@@ -14,11 +14,17 @@ class says how a resumed run gets an episode's environment back (`restore`):
   state without acting again;
 - `restart`: neither: the episode starts over (counted in the resume event).
 
-`step_id` is `"ORDINAL:SAMPLE:TURN"`, the same on every attempt, so an environment whose steps
-act on the outside world can make each action exactly once (a journal keyed by it). `reset`
-must not act on the outside world: a resume calls it again. Every sample of a group is opened
-from the same example and must open with the same messages (its seed may differ: it is for
-hidden state).
+`step_id` is `"ORDINAL:SAMPLE:TURN"`, with `:RESTARTS` once a resume started the episode over
+(a `restart` environment, or `checkpoint.resume_policy=restart_episode`), the same on every
+attempt of the run: one id is one request, with one text. It is unique within a run; across
+runs, `idempotency_key(run_id, step_id)` is (an environment learns the run's id through its
+optional `set_run_id(run_id)`, called before `set_workdir` and `reset`), so a journal or an
+outside service shared by runs never answers one run's step with another's result. An
+environment whose steps act on the outside world passes that key to the service as its
+idempotency key: only the service can make an action at most once across a kill that lands
+inside it. `reset` must not act on the outside world: a resume calls it again. Every sample of
+a group is opened from the same example and must open with the same messages (its seed may
+differ: it is for hidden state).
 """
 
 from __future__ import annotations
@@ -30,7 +36,7 @@ from asyncrl.config import BUILTIN_ENVIRONMENTS, ConfigError
 from asyncrl.core.episodes import Turn
 from asyncrl.tasks.examples import Example, Message
 
-__all__ = ["Environment", "StepResult", "Turn", "environment_class"]
+__all__ = ["Environment", "StepResult", "Turn", "environment_class", "idempotency_key"]
 
 RestoreKind = Literal["restorable", "replay", "restart"]
 RESTORE_KINDS: tuple[str, ...] = ("restorable", "replay", "restart")
@@ -53,6 +59,12 @@ class Environment(Protocol):
     def reset(self, example: Example, seed: int) -> list[Message]: ...
 
     def step(self, assistant_text: str, step_id: str) -> StepResult: ...
+
+
+def idempotency_key(run_id: str, step_id: str) -> str:
+    """A step's key across runs: `RUN_ID/STEP_ID` (the step id alone where no run id is known,
+    as in a test driving an environment by hand)."""
+    return f"{run_id}/{step_id}" if run_id else step_id
 
 
 def environment_class(name: str) -> type[Environment]:

@@ -8,13 +8,14 @@ with the `math` reward on that turn (`correct + format_weight * format`); a turn
 gets a reminder. The calculator evaluates `+ - * / ( )` and numbers, nothing else (a parsed
 AST, never `eval`).
 
-Every tool call is made at most once per `step_id`: the environment keeps a journal
-(`RUN_DIR/env/calculator.jsonl`, one JSON line per call with the hash of the assistant text
-that made it, fsynced before the result is used), and a step whose id is in it returns the
-recorded result instead of calling again — what an environment with real side effects (a paid
-API, a write) needs, since the step in flight at a kill is asked again, with the same id and
-text, after it. The same id with other text is an error, never a stale answer. It restores by
-`replay`.
+Every tool call is made at most once per step: the environment keeps a journal
+(`RUN_DIR/env/calculator.jsonl`: per call an intent row fsynced before the calculator runs and
+a result row fsynced before the result is used, each with the run id, the step id and the hash
+of the assistant text that made it), and a step whose result is in it returns the recorded
+result instead of calling again, since the step in flight at a kill is asked again, with the
+same id and text, after it. The same id with other text is an error, never a stale answer.
+What a tool with real side effects can get from such a journal, and what it needs besides (the
+outside service's idempotency key): `Journal`. It restores by `replay`.
 """
 
 from __future__ import annotations
@@ -25,11 +26,12 @@ import operator
 import os
 import re
 import threading
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, ClassVar
 
 from asyncrl.core.episodes import text_sha256
-from asyncrl.tasks.environments import RestoreKind, StepResult, Turn
+from asyncrl.tasks.environments import RestoreKind, StepResult, Turn, idempotency_key
 from asyncrl.tasks.examples import Example, Message
 
 CALL = re.compile(r"<calc>(.*?)</calc>", re.S)
@@ -72,15 +74,27 @@ def _value(node: ast.AST) -> float:
 
 
 class Journal:
-    """Tool calls made, by step id: a JSON-lines file, each line fsynced before it is used.
-    One per file per process (the collector's thread makes the steps)."""
+    """Tool calls by idempotency key (`idempotency_key`: the run's id and the step id): a
+    JSON-lines file with two rows a call, each fsynced before the next move: the *intent*
+    (what is about to be done, written before the tool acts) and the *result* (written before
+    it is used). A step whose result is journaled is answered from it, never called again.
+
+    What this can promise: a tool that acts only inside this process (the calculator) is
+    called once per step, except where a kill lands between its intent and its result; then
+    the journal holds an intent alone, and the step's next call acts again. A tool that acts
+    on the outside world (a paid API, a write) cannot learn from here whether it acted: for
+    at most once it must pass the key to the service as its idempotency key, so the service
+    answers a repeat with its first answer. One journal per file per process (the collector's
+    thread makes the steps)."""
 
     _lock = threading.Lock()
 
-    def __init__(self, path: Path) -> None:
+    def __init__(self, path: Path, run_id: str = "") -> None:
         self.path = path
-        self.results: dict[str, str] = {}
-        self.texts: dict[str, str] = {}  # step id -> the text hash it was called for
+        self.run_id = run_id
+        self.results: dict[str, str] = {}  # key -> the result
+        self.texts: dict[str, str] = {}  # key -> the text hash it was called for
+        self.interrupted: set[str] = set()  # keys with an intent and no result
         if not path.exists():
             return
         data = path.read_bytes()
@@ -91,37 +105,53 @@ class Journal:
                 os.fsync(f.fileno())
         for line in data.decode().splitlines():
             row = json.loads(line)
-            self.results.setdefault(row["step_id"], row["result"])
+            # rows of older versions have no run id: this run's own (the journal is in its dir)
+            key = idempotency_key(str(row.get("run_id", run_id)), str(row["step_id"]))
             if "text_sha256" in row:  # journals of older versions have no hash
-                self.texts.setdefault(row["step_id"], row["text_sha256"])
+                self.texts.setdefault(key, row["text_sha256"])
+            if "result" in row:
+                self.results.setdefault(key, row["result"])
+                self.interrupted.discard(key)
+            elif key not in self.results:
+                self.interrupted.add(key)
 
-    def call(self, step_id: str, expression: str, text_hash: str) -> str:
-        """The recorded result of `step_id`, or the calculator's, journaled first. Keyed by
-        the step id and the hash of the assistant text that asked (`text_sha256`): the same id
-        asked with other text is an error, never the other text's answer."""
+    def call(
+        self, step_id: str, expression: str, text_hash: str, act: Callable[[str], str] | None = None
+    ) -> str:
+        """The journaled result of `step_id`, or `act(expression)`'s (the calculator's by
+        default), its intent journaled before it acts and its result before it returns. The
+        same id asked with other text (`text_sha256`) is an error, never the other text's
+        answer."""
+        key = idempotency_key(self.run_id, step_id)
         with self._lock:
-            if step_id in self.results:
-                known = self.texts.get(step_id, text_hash)
-                if known != text_hash:
-                    raise ValueError(
-                        f"step {step_id} was journaled for a text with hash {known}, and is "
-                        f"asked again with other text (hash {text_hash}): one id, one request"
-                    )
-                return self.results[step_id]
-            result = calculate(expression)
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-            row = {"step_id": step_id, "text_sha256": text_hash, "expression": expression,
-                   "result": result}  # fmt: skip
-            with open(self.path, "a") as f:
-                f.write(json.dumps(row) + "\n")
-                f.flush()
-                os.fsync(f.fileno())
-            self.results[step_id] = result
-            self.texts[step_id] = text_hash
+            known = self.texts.get(key, text_hash)
+            if known != text_hash:
+                raise ValueError(
+                    f"step {step_id} was journaled for a text with hash {known}, and is "
+                    f"asked again with other text (hash {text_hash}): one id, one request"
+                )
+            if key in self.results:
+                return self.results[key]
+            row = {"step_id": step_id, "run_id": self.run_id, "text_sha256": text_hash,
+                   "expression": expression}  # fmt: skip
+            self._write({**row, "intent": True})
+            self.texts[key] = text_hash
+            result = (act or calculate)(expression)
+            self._write({**row, "result": result})
+            self.results[key] = result
+            self.interrupted.discard(key)
             return result
 
+    def _write(self, row: dict[str, Any]) -> None:
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        with open(self.path, "a") as f:
+            f.write(json.dumps(row) + "\n")
+            f.flush()
+            os.fsync(f.fileno())
 
-_JOURNALS: dict[Path, Journal] = {}
+
+_JOURNALS: dict[tuple[Path, str], Journal] = {}
+"""One journal per file and run in a process, read once (not once per episode)."""
 
 
 class Calculator:
@@ -132,11 +162,18 @@ class Calculator:
     def __init__(self) -> None:
         self.answer = ""
         self.journal: Journal | None = None
+        self.run_id = ""
+
+    def set_run_id(self, run_id: str) -> None:
+        """The run's id (before `set_workdir`): the journal's keys carry it."""
+        self.run_id = run_id
 
     def set_workdir(self, workdir: Path) -> None:
         """The run's environment directory (`RUN_DIR/env/`): the journal lives there."""
         path = Path(workdir) / self.journal_file
-        self.journal = _JOURNALS.setdefault(path, Journal(path))
+        if (path, self.run_id) not in _JOURNALS:
+            _JOURNALS[(path, self.run_id)] = Journal(path, self.run_id)
+        self.journal = _JOURNALS[(path, self.run_id)]
 
     def reset(self, example: Example, seed: int) -> list[Message]:
         self.answer = example.answer
