@@ -3,9 +3,13 @@
 control plane (pause, reload, weight version, resume) and stopping what a run launched, also
 what a SIGKILLed launch left (`stop_stale`, under the run dir's lock).
 
-    launched: python -m vllm.entrypoints.openai.api_server --model DIR --port P ...
-              (VLLM_SERVER_DEV_MODE=1: vLLM's RL routes), its own process group, its log in
+    launched: python -m vllm.entrypoints.openai.api_server --model DIR --host 127.0.0.1
+              --port P --middleware asyncrl.rollout.server_auth.RequireSecret ...
+              (VLLM_SERVER_DEV_MODE=1: vLLM's RL routes; the launch's secret in its
+              environment, required on every route), its own process group, its log in
               RUN_DIR/servers/server_N.log, its pid and group in RUN_DIR/servers/launched.json
+              and with the launch's lifeline (`lifeline.py`), which ends it however the
+              launch ends
 
 The engine that sends them requests is `asyncrl/rollout/vllm_server.py`.
 """
@@ -29,6 +33,8 @@ from typing import Any
 import httpx
 
 from asyncrl.config import ConfigError
+from asyncrl.rollout.lifeline import end_groups, start_time
+from asyncrl.rollout.server_auth import SECRET_ENV, bearer
 
 SERVERS_DIR = "servers"
 """`RUN_DIR/servers/`: the launched servers' logs and `launched.json`."""
@@ -38,6 +44,8 @@ SERVED_NAME = "asyncrl"
 """The model name launched servers answer to (`--served-model-name`)."""
 MARK = "vllm.entrypoints.openai.api_server"
 """The module a launched server runs."""
+GUARD = "asyncrl.rollout.server_auth.RequireSecret"
+"""The middleware that makes a launched server require its launch's secret on every route."""
 
 
 class ServerError(RuntimeError):
@@ -68,6 +76,8 @@ class Server:
     one once the base was loaded into it)."""
     alive: bool = True
     restarts: int = 0
+    checked: int = -1
+    """The batch whose start read its weights back (`server_leases.read_back`)."""
     client: httpx.Client = field(
         default_factory=lambda: httpx.Client(timeout=600.0, limits=STREAMS)
     )
@@ -86,6 +96,11 @@ class Server:
     def launched(self) -> bool:
         return self.process is not None
 
+    def authorize(self, secret: str) -> None:
+        """Every request from now on carries `secret` (`server_auth`)."""
+        for client in (self.client, self.control):
+            client.headers.update(bearer(secret))
+
     def name(self) -> str:
         where = f", log {self.log}" if self.log else ""
         return f"server {self.index} ({self.url}{where})"
@@ -101,6 +116,22 @@ class Server:
             )
         except httpx.HTTPError as err:
             raise ServerDown(f"{self.name()}: POST {route} failed: {err!r}") from err
+        return self._answer(route, reply)
+
+    def get(self, route: str, timeout: float = 30.0, **params: Any) -> Any:
+        """GETs one of vLLM's routes, as `post`."""
+        try:
+            reply = self.control.get(self.url + route, params=params or None, timeout=timeout)
+        except httpx.HTTPError as err:
+            raise ServerDown(f"{self.name()}: GET {route} failed: {err!r}") from err
+        return self._answer(route, reply)
+
+    def _answer(self, route: str, reply: httpx.Response) -> Any:
+        if reply.status_code == 401:
+            raise ServerError(
+                f"{self.name()}: {route}: 401 Unauthorized: it requires a secret; set "
+                f"{SECRET_ENV} to it in the trainer's environment"
+            )
         if reply.status_code == 404:
             raise ServerError(
                 f"{self.name()}: POST {route} is not served: start vLLM with "
@@ -171,7 +202,7 @@ def server_command(model_dir: str, port: int, dtype: str, vllm: dict[str, Any]) 
         "--skip-tokenizer-init", "--return-tokens-as-token-ids",
         "--logprobs-mode", "processed_logprobs",
         "--max-num-seqs", str(int(vllm.get("max_num_seqs", 256))),
-        "--disable-uvicorn-access-log",
+        "--disable-uvicorn-access-log", "--middleware", GUARD,
     ]  # fmt: skip
     if vllm.get("enforce_eager", True):
         command.append("--enforce-eager")
@@ -190,11 +221,13 @@ def server_command(model_dir: str, port: int, dtype: str, vllm: dict[str, Any]) 
     return command
 
 
-def server_env(launched: int = 1) -> dict[str, str]:
-    """A launched server's environment: vLLM's RL routes on, and its share of this machine's
-    cores (`OMP_NUM_THREADS`, unless set): two servers of 2 threads each on 2 cores decoded
-    110 tok/s at 100M here, of 1 thread each 539 (benchmarks/servers.py)."""
-    env = {**os.environ, "VLLM_SERVER_DEV_MODE": "1"}
+def server_env(secret: str, launched: int = 1) -> dict[str, str]:
+    """A launched server's environment: vLLM's RL routes on, the launch's `secret` (in the
+    environment, readable by this user only: a command line is every user's) required on
+    every route (`GUARD`; vLLM's own `VLLM_API_KEY` on `/v1` too), and its share of this
+    machine's cores (`OMP_NUM_THREADS`, unless set): two servers of 2 threads each on 2 cores
+    decoded 110 tok/s at 100M here, of 1 thread each 539 (benchmarks/servers.py)."""
+    env = {**os.environ, "VLLM_SERVER_DEV_MODE": "1", SECRET_ENV: secret, "VLLM_API_KEY": secret}
     env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] = "True"  # /v1/load_lora_adapter (LoRA runs)
     env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // max(1, launched))))
     env.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")  # the trainer shares the cores
@@ -207,10 +240,16 @@ def server_env(launched: int = 1) -> dict[str, str]:
 
 
 def launch(
-    server: Server, model_dir: str, dtype: str, vllm: dict[str, Any], launched: int = 1
+    server: Server,
+    model_dir: str,
+    dtype: str,
+    vllm: dict[str, Any],
+    secret: str,
+    launched: int = 1,
 ) -> None:
-    """Starts (or restarts) a launched server at a free port, in a process group of its own;
-    it is not `alive` until `wait_healthy` says so."""
+    """Starts (or restarts) a launched server at a free port on 127.0.0.1, in a process group
+    of its own, requiring `secret` on every route; it is not `alive` until `wait_healthy` says
+    so."""
     port = free_port()
     server.url = f"http://127.0.0.1:{port}"
     assert server.log is not None
@@ -222,13 +261,14 @@ def launch(
             stdout=log,
             stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL,
-            env=server_env(launched),
+            env=server_env(secret, launched),
             start_new_session=True,  # its own group: stopped whole, apart from the trainer's
         )
     server.version = None
     server.base = True  # started on the run's model folder: its weights (a LoRA run's base)
     server.alive = False
-    server.started = _start_time(server.process.pid)
+    server.started = start_time(server.process.pid)
+    server.authorize(secret)
 
 
 def wait_healthy(servers: list[Server], timeout: float) -> float:
@@ -276,51 +316,20 @@ def write_record(directory: Path, servers: list[Server]) -> None:
     os.replace(tmp, directory / RECORD)
 
 
-def _start_time(pid: int) -> int:
-    """A process's start time in clock ticks since boot (0 if it is gone): with its pid, what
-    names one process for good (pids are reused)."""
-    try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    except OSError:
-        return 0
-    return int(fields[19])  # field 22 of stat; fields[0] is field 3 (the state)
-
-
-def _group_members(pgid: int) -> list[int]:
-    members = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        if int(fields[2]) == pgid:  # after the state: ppid, pgrp
-            members.append(int(entry.name))
-    return members
-
-
 def stop_stale(directory: Path) -> list[int]:
-    """Stops the process groups a killed launch's servers left running (`launched.json`): a
-    group whose leader is still the recorded process (its pid and start time) is killed whole
-    (the server, its engine and worker); the groups stopped. A recorded pid now another
-    process's, or this process's own group, is left alone."""
+    """Ends the process groups a killed launch's servers left running (`launched.json`), each
+    only if it is still the group recorded (`lifeline.leftover_groups`: its leader's pid and
+    start time, or members of its session outliving a dead leader); the groups ended. A
+    recorded pid now another process's, or this process's own group, is left alone."""
     record = directory / RECORD
     if not record.exists():
         return []
     try:
         rows = json.loads(record.read_text())
-    except ValueError:
-        rows = []
-    stopped = []
-    for row in rows:
-        pgid = int(row["pid"])
-        if pgid == os.getpgrp() or not row.get("started"):
-            continue
-        if _start_time(pgid) == int(row["started"]) and _group_members(pgid):
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(pgid, signal.SIGKILL)
-            stopped.append(pgid)
+        recorded = [(int(row["pid"]), int(row.get("started") or 0)) for row in rows]
+    except (ValueError, KeyError, TypeError):
+        recorded = []
+    stopped = end_groups(recorded)
     record.unlink()
     return stopped
 
@@ -410,14 +419,33 @@ def attach_problems(
 
 
 def attach(
-    index: int, url: str, ours: dict[str, Any], dtype: str, lora_rank: int, health_timeout: float
-) -> tuple[Server, int]:
+    index: int,
+    url: str,
+    ours: dict[str, Any],
+    dtype: str,
+    lora_rank: int,
+    health_timeout: float,
+    secret: str = "",
+) -> Server:
     """A server the user runs, checked to serve this run (`attach_problems`; ConfigError naming
-    `rollout.servers.urls` and the URL, in one line, where not), cleared of what a killed
-    trainer left: its requests aborted (how many is returned) and a pause mid-load resumed."""
+    `rollout.servers.urls` and the URL, in one line, where not), every request to it carrying
+    `secret` where one is given (`server_auth`). A server whose dev-mode routes answer without
+    a secret is attached, with a warning naming what anyone who reaches it can do. Which run
+    holds it, and what a killed trainer left on it, is `server_leases.claim`'s."""
     server = Server(index, url.rstrip("/").removesuffix("/v1"))
     where = f"rollout.servers.urls: {server.url}"
-    if not server.healthy(timeout=health_timeout):
+    if secret:
+        server.authorize(secret)
+    try:
+        health = server.control.get(server.url + "/health", timeout=health_timeout).status_code
+    except httpx.HTTPError:
+        health = 0
+    if health == 401:
+        raise ConfigError(
+            f"{where} requires a secret: set {SECRET_ENV} in the trainer's environment to the "
+            + ("one it was started with (the one set is refused)" if secret else "one it has")
+        )
+    if health != 200:
         raise ConfigError(
             f"{where} does not answer /health (is the server running, and the URL and port right?)"
         )
@@ -448,11 +476,24 @@ def attach(
         )
     models = server.control.get(server.url + "/v1/models", timeout=30).json()
     server.model = models["data"][0]["id"]
-    # a trainer killed mid-request left its requests running, or paused mid-load
-    aborted = int((server.post("/abort_requests", {}) or {}).get("aborted", 0))
-    if server.control.get(server.url + "/is_paused", timeout=30).json().get("is_paused"):
-        server.post("/resume")
-    return server, aborted
+    if routes_open(server.url):
+        print(
+            f"asyncrl: WARNING: {server.url} answers vLLM's dev-mode routes without a secret: "
+            "anyone who reaches it can change its weights (/collective_rpc), its adapters or "
+            "its weight version, pause it or abort its requests, and so poison this run's "
+            "rollouts. Start it on a loopback or private address with "
+            f"{SECRET_ENV}=... and --middleware {GUARD} (docs/servers.md)"
+        )
+    return server
+
+
+def routes_open(url: str) -> bool:
+    """Whether a server answers a dev-mode route (`GET /is_paused`) to a request with no
+    secret."""
+    try:
+        return httpx.get(url + "/is_paused", timeout=10.0).status_code == 200
+    except httpx.HTTPError:
+        return False
 
 
 def _hf_config(model: str) -> dict[str, Any] | None:

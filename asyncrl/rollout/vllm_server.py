@@ -15,17 +15,25 @@ server or to its own restart; no token that arrived is asked for again. A launch
 died is restarted (`rollout.servers.max_restarts`); before it serves, it loads the batch's
 weights version.
 
-Weights: each server holds one version. A batch that asks for another one gets it on every
-server it uses first. A server that was attached (or restarted) holds no version of ours until
-it is loaded: the first batch after a (re)launch of the trainer therefore loads the
-checkpoint's weights into every server before it sends a request, and requests a killed
-trainer left running on an attached server are aborted at attach.
+Weights: each server holds one version, and says which (`server_leases`: the run, the launch
+and the version, in vLLM's weight-version string). Before a batch's first request to a server,
+that string is read back from the server, never assumed: a server restarted by its supervisor
+(its initial weights), reloaded by someone else, or attached anew holds no version of this
+launch and is loaded before it samples; a server another run holds fails the batch (one server
+serves one run). An attached server found dead is asked for `/health` at each batch's start
+and used again once it answers. Requests a killed launch of this run left running on an
+attached server are aborted at attach; another's are not.
+
+Launched servers require a secret of this launch on every route (`server_auth`), listen on
+127.0.0.1, and end with the launch however it ends (`lifeline`), as does the model's scratch
+copy.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import secrets
 import shutil
 import signal
 import tempfile
@@ -55,6 +63,9 @@ from asyncrl.rollout.jobs import (
     plan_jobs,
     sample_ended,
 )
+from asyncrl.rollout.lifeline import Lifeline
+from asyncrl.rollout.server_auth import SECRET_ENV
+from asyncrl.rollout.server_leases import claim, make_tag, read_back, release, write_tag
 from asyncrl.rollout.servers import (
     SERVERS_DIR,
     Server,
@@ -126,11 +137,18 @@ class VLLMServerEngine:
         stopped = stop_stale(self.directory)  # what a SIGKILLed launch left (run dir locked)
         if stopped:
             print(f"asyncrl: stopped {len(stopped)} vLLM server(s) a killed launch left running")
+        self.run_id = run_id_of(run_dir)
+        self.launch_id = secrets.token_hex(4)  # a relaunch's version 7 is not this one's
+        self._secret = secrets.token_urlsafe(32)  # launched servers' (never on a command line)
+        self._batch = 0
         scratch = spec.scratch_dir or None
         if scratch:
             os.makedirs(scratch, exist_ok=True)
         self._dir = tempfile.mkdtemp(prefix="asyncrl-vllm-server-", dir=scratch)
         weakref.finalize(self, shutil.rmtree, self._dir, ignore_errors=True)
+        # ends the servers and this copy however this process ends (os._exit and SIGKILL too)
+        self._lifeline = Lifeline(self.directory / "lifeline.log")
+        self._lifeline.watch_path(self._dir)
         self._reload_dir = os.path.join(self._dir, "reload")
         # a LoRA run (`rollout.vllm.lora_requests`): the base once, each version's adapters
         # through /v1/load_lora_adapter, its requests addressed to them (`v{version}`)
@@ -160,7 +178,7 @@ class VLLMServerEngine:
         write_model_dir(spec, self._dir, with_weights=True)
         for index in range(count):
             server = Server(index, "", log=self.directory / f"server_{index}.log")
-            launch(server, self._dir, self.dtype, self.vllm, count)
+            self._start(server, count)
             self.servers.append(server)
         write_record(self.directory, self.servers)
         waited = wait_healthy(self.servers, float(self.settings.get("start_timeout_s", 600)))
@@ -181,11 +199,12 @@ class VLLMServerEngine:
         with open(os.path.join(self._dir, "config.json")) as f:
             ours = json.load(f)  # as a launched server would get it (save_pretrained's)
         rank = self._lora.max_rank if self._lora is not None else 0
+        secret = os.environ.get(SECRET_ENV, "")
         aborted = 0
         for index, url in enumerate(urls):
-            server, stale = attach(index, url, ours, self.dtype, rank, self.health_timeout)
-            aborted += stale
+            server = attach(index, url, ours, self.dtype, rank, self.health_timeout, secret)
             self.servers.append(server)
+            aborted += claim(server, self.run_id, self.launch_id, self.health_timeout)
         print(
             f"asyncrl: attached to {len(urls)} vLLM server(s): {', '.join(urls)}; "
             f"{aborted} request(s) left running aborted; this run's weights load into each "
@@ -210,20 +229,35 @@ class VLLMServerEngine:
             server.signal(signal.SIGKILL)
             if server.process is not None:
                 server.process.wait(30)
-            launch(server, self._dir, self.dtype, self.vllm, len(self.servers))
+            self._start(server, len(self.servers))
             write_record(self.directory, self.servers)
         waited = wait_healthy([server], float(self.settings.get("start_timeout_s", 600)))
         print(f"asyncrl: {server.name()} restarted in {waited:.1f} s")
 
+    def _start(self, server: Server, count: int) -> None:
+        """(Re)starts a launched server, in the lifeline's care from its first instant."""
+        launch(server, self._dir, self.dtype, self.vllm, self._secret, count)
+        assert server.process is not None
+        self._lifeline.watch_group(server.process.pid, server.started)
+
     def shutdown(self) -> None:
-        """Stops the servers this run launched (after any restart in progress); attached ones
-        are left running."""
+        """Stops the servers this run launched (after any restart in progress) and removes the
+        scratch copy; attached ones are left running, released for another run. Once."""
         with self._lock:
+            if self._closing:
+                return
             self._closing = True
+        for server in self.servers:
+            if not server.launched and server.alive:
+                try:
+                    release(server, self.run_id, timeout=min(5.0, self.health_timeout))
+                except ServerError as err:  # a dead one: its string is gone with it
+                    print(f"asyncrl: {server.name()} not released: {err}")
         stop(self.servers)
         record = self.directory / "launched.json"
         if any(s.launched for s in self.servers) and record.exists():
             record.unlink()
+        self._lifeline.close()
 
     def metrics(self) -> dict[str, float]:
         with self._lock:
@@ -231,12 +265,19 @@ class VLLMServerEngine:
 
     # -- weights ------------------------------------------------------------------------------
 
-    def _load_on(self, server: Server, version: int) -> None:
-        """Loads weights version `version` into `server` through vLLM's RL routes: pause
-        (in-flight requests kept), reload from the version's file, tag the version, resume."""
+    def _load_on(self, server: Server, version: int, batch: int) -> None:
+        """Makes `server` hold weights version `version`: at batch `batch`'s first job on it,
+        the version it holds is read back from it (`server_leases.read_back`: ServerError
+        where another run holds it), and where it is not `version` it is loaded through
+        vLLM's RL routes."""
         with server.lock:  # the server's first job of a batch loads; the others wait for it
             if not server.alive:
                 raise ServerDown(f"{server.name()} is down")
+            if server.checked != batch:
+                server.version = read_back(server, self.run_id, self.launch_id, self.health_timeout)
+                if server.version is None and not server.launched:
+                    server.base = False  # restarted, perhaps: a LoRA run's base loads again
+                server.checked = batch
             if server.version != version:
                 self._load_locked(server, version)
 
@@ -250,6 +291,7 @@ class VLLMServerEngine:
             if not server.base:  # attached: the base is loaded once
                 self._reload(server, version)
                 server.base = True
+            write_tag(server, self._tag(None))  # changing: no version until it is done
             # in place: a name a killed trainer (or a load cut short) left is replaced
             load = {"lora_name": f"v{version}", "lora_path": self._lora.path(version),
                     "load_inplace": True}  # fmt: skip
@@ -261,7 +303,7 @@ class VLLMServerEngine:
                     raise
                 except ServerError:  # not there (a restart): nothing to unload
                     pass
-            server.post("/update_weight_version", {"new_version": str(version)})
+            write_tag(server, self._tag(version))
         server.version = version
         with self._lock:
             self._counters["server_pause_s"] += time.perf_counter() - started
@@ -272,14 +314,18 @@ class VLLMServerEngine:
         quick = self.health_timeout  # a hung server is found as a hung stream is
         server.post("/pause", timeout=quick, mode="keep")
         try:
+            write_tag(server, self._tag(None), timeout=quick)  # a load cut short: no version
             server.post(
                 "/collective_rpc",
                 {"method": "reload_weights", "kwargs": {"weights_path": self._reload_dir}},
                 timeout=max(quick, 600.0),
             )
-            server.post("/update_weight_version", {"new_version": str(version)}, timeout=quick)
+            write_tag(server, self._tag(version), timeout=quick)
         finally:
             server.post("/resume", timeout=quick)  # never left paused
+
+    def _tag(self, version: int | None) -> str:
+        return make_tag(self.run_id, self.launch_id, version)
 
     def _write_version(self, version: int, state: dict[str, Any]) -> None:
         """Version `version` as the servers read it: the reload file, or for a LoRA run its
@@ -311,13 +357,16 @@ class VLLMServerEngine:
             version, state = weights_to_load(self.weights, version, self._file_version)
             if state is not None:
                 self._write_version(version, state)
+            self._batch += 1
+            batch = self._batch
+        self._revive()
         jobs, done_before = plan_jobs(requests, self.max_new_tokens, max_tokens)
         pieces: dict[tuple[int, int], Piece] = {}
         finished = threading.Event()
         watchdog = threading.Thread(target=self._watch, args=(finished,), daemon=True)
         watchdog.start()
         try:
-            self._run_jobs(jobs, version, pieces)
+            self._run_jobs(jobs, version, batch, pieces)
         finally:
             finished.set()
             watchdog.join()
@@ -331,7 +380,7 @@ class VLLMServerEngine:
         ]
 
     def _run_jobs(
-        self, jobs: list[Job], version: int, pieces: dict[tuple[int, int], Piece]
+        self, jobs: list[Job], version: int, batch: int, pieces: dict[tuple[int, int], Piece]
     ) -> None:
         """Runs `jobs` to their ends over the live servers, all in flight at once, each
         sample's tokens into `pieces`; a broken stream's job continues from what arrived."""
@@ -349,7 +398,7 @@ class VLLMServerEngine:
                     job = pending.pop(0)
                     server = min(live, key=lambda s: (load.get(s.index, 0), s.index))
                     load[server.index] = load.get(server.index, 0) + job.n
-                    future = pool.submit(self._run_job, server, job, version)
+                    future = pool.submit(self._run_job, server, job, version, batch)
                     running[future] = (job, server)
                 done, _ = wait(list(running), return_when=FIRST_COMPLETED)
                 for future in done:
@@ -416,9 +465,19 @@ class VLLMServerEngine:
             print(f"asyncrl: {err}")
             self._restart_error = err
 
+    def _revive(self) -> None:
+        """An attached server found dead that answers `/health` again (its supervisor restarted
+        it) is used again; what it holds is read back before it samples (`_load_on`)."""
+        for server in self.servers:
+            dead = not server.launched and not server.alive
+            if dead and server.healthy(timeout=min(2.0, self.health_timeout)):
+                server.version, server.alive = None, True
+                print(f"asyncrl: {server.name()} answers again: used again")
+
     def _await_restart(self) -> None:
-        """No server is live and nothing runs: waits for a restart in progress; raises the
-        restart's error, or ServerError when none is coming."""
+        """No server is live and nothing runs: waits for a restart in progress (or an attached
+        server back); raises the restart's error, or ServerError when none is coming."""
+        self._revive()
         while True:
             if self._restart_error is not None:
                 raise self._restart_error
@@ -432,13 +491,13 @@ class VLLMServerEngine:
                 )
             self._restarts[0].join(0.2)
 
-    def _run_job(self, server: Server, job: Job, version: int) -> dict[int, Piece]:
+    def _run_job(self, server: Server, job: Job, version: int, batch: int) -> dict[int, Piece]:
         """One job as one streamed completion on `server`: per sample, the tokens, their
         log-probs and whether it ended. StreamBroken (with what arrived) if the stream stops
         before its end."""
         received: dict[int, Piece] = {}
         try:
-            self._load_on(server, version)
+            self._load_on(server, version, batch)
             body = {
                 "model": server.model if self._lora is None else f"v{version}",
                 "prompt": job.prompt,
@@ -515,3 +574,12 @@ class VLLMServerEngine:
         except (httpx.TransportError, ServerDown, OSError) as err:
             raise StreamBroken(received, err) from err
         return received
+
+
+def run_id_of(run_dir: Path) -> str:
+    """The run's id (`RUN_DIR/run.json`), which the servers it holds carry (`server_leases`);
+    a fresh one for an engine outside a run dir."""
+    try:
+        return str(json.loads((run_dir / "run.json").read_text())["run_id"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return secrets.token_hex(8)
