@@ -14,13 +14,14 @@ import subprocess
 import sys
 from io import BytesIO
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 from helpers import process_gone
 
 from asyncrl.rollout import lifeline
 from asyncrl.rollout.lifeline import Proc, leftover_groups, start_time
-from asyncrl.rollout.servers import RECORD, stop_stale
+from asyncrl.rollout.servers import RECORD, Server, stop_stale
 
 TESTS = Path(__file__).resolve().parent
 
@@ -82,6 +83,18 @@ def test_the_next_launch_ends_a_recorded_group_whose_leader_died_and_spares_a_re
         other.wait()
         with contextlib.suppress(ProcessLookupError):
             os.kill(member, signal.SIGKILL)
+
+
+def test_a_reaped_servers_signal_never_reaches_a_process_that_reused_its_pid():
+    other = subprocess.Popen(["sleep", "600"], start_new_session=True)
+    try:
+        reaped = SimpleNamespace(pid=other.pid, returncode=0)  # its pid reused by `other`
+        server = Server(0, "", process=reaped, started=start_time(other.pid) - 1)  # type: ignore[arg-type]
+        server.signal(signal.SIGKILL)
+        assert other.poll() is None
+    finally:
+        other.kill()
+        other.wait()
 
 
 def test_the_guard_ends_the_recorded_groups_still_alive_and_removes_the_recorded_paths(tmp_path):

@@ -33,7 +33,7 @@ from typing import Any
 import httpx
 
 from asyncrl.config import ConfigError
-from asyncrl.rollout.lifeline import end_groups, start_time
+from asyncrl.rollout.lifeline import end_groups, leftover_groups, process_table, start_time
 from asyncrl.rollout.server_auth import SECRET_ENV, bearer
 
 SERVERS_DIR = "servers"
@@ -180,10 +180,16 @@ class Server:
         return len(streams)
 
     def signal(self, sig: signal.Signals) -> None:
-        """Sends `sig` to a launched server's whole process group (its engine and worker)."""
-        if self.process is not None:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(self.process.pid, sig)
+        """Sends `sig` to a launched server's whole process group (its engine and worker). Once
+        its process is reaped its pid may be another's: then only while members of its group
+        are left (`lifeline.leftover_groups`)."""
+        if self.process is None:
+            return
+        pid, reaped = self.process.pid, self.process.returncode is not None
+        if reaped and not leftover_groups([(pid, self.started)], process_table(), os.getpgrp()):
+            return
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(pid, sig)
 
 
 def free_port() -> int:
