@@ -63,14 +63,19 @@ class ServersConfig:
 
     launch: int = field(default=0, metadata=MAY_CHANGE)
     """Servers asyncrl starts itself on 127.0.0.1, each at a free port in a process group of
-    its own (`python -m vllm.entrypoints.openai.api_server`, with `rollout.vllm.*`), logging
-    to `RUN_DIR/servers/`; stopped when the run ends, and what a killed run left is stopped at
-    the next launch under the run dir's lock."""
+    its own (`python -m vllm.entrypoints.openai.api_server`, with `rollout.vllm.*`), requiring
+    a secret of the launch on every route, logging to `RUN_DIR/servers/`; stopped when the run
+    ends however it ends (by its lifeline process where the trainer cannot), and what a kill of
+    both left is stopped at the next launch under the run dir's lock."""
     urls: list[str] = field(default_factory=list, metadata=MAY_CHANGE)
     """Servers you run, attached (`http://HOST:PORT`, comma-separated on the command line):
     started with `VLLM_SERVER_DEV_MODE=1` (vLLM's RL routes: pause, resume, weight versions)
     and a file system shared with this process (each weights version is reloaded from a
-    file under the run dir). Never stopped by asyncrl."""
+    file under the run dir). Never stopped by asyncrl. One server serves one run (recorded on
+    it, in vLLM's weight-version string). Its dev-mode routes change its weights: never expose
+    them beyond a private network; start it with `ASYNCRL_SERVER_SECRET` and `--middleware
+    asyncrl.rollout.server_auth.RequireSecret` and give the trainer the same variable
+    (docs/servers.md)."""
     max_restarts: int = field(default=3, metadata=MAY_CHANGE)
     """Launched servers restarted after they died, in all; a server that dies past it stays
     down (its log's last lines printed), its requests move to the others, and generation fails
