@@ -165,9 +165,10 @@ def audit_log(tmp_path, requests, journal=()):
     from asyncrl.cli.audit import AuditReport, _audit_journals, _audit_steps
 
     rows = []
-    for sid, attempt, sha in requests:
+    for sid, attempt, sha, *answered in requests:  # answered: False for a kill inside the step
         rows.append({"kind": "request", "step_id": sid, "attempt": attempt, "text_sha256": sha})
-        rows.append({"kind": "result", "step_id": sid, "attempt": attempt})
+        if answered != [False]:
+            rows.append({"kind": "result", "step_id": sid, "attempt": attempt})
     (tmp_path / "env_steps.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     events = [
         {"event": "checkpoint", "step": 1, "recorded_steps": ["0:0:0"]},
@@ -185,19 +186,70 @@ def audit_log(tmp_path, requests, journal=()):
 
 
 def test_audit_passes_the_one_step_in_flight_at_a_kill_asked_again_with_its_text(tmp_path):
-    steps = [("0:0:0", 0, "a"), ("0:0:1", 0, "b"), ("0:0:2", 0, "c"), ("0:0:2", 1, "c")]
+    steps = [("0:0:0", 0, "a"), ("0:0:1", 0, "b"), ("0:0:2", 0, "c", False), ("0:0:2", 1, "c")]
     assert audit_log(tmp_path, steps, journal=[("0:0:1", "b"), ("0:0:2", "c")]) == []
 
 
 def test_audit_names_a_step_asked_with_two_texts(tmp_path):
-    (found,) = audit_log(tmp_path, [("0:0:0", 0, "a"), ("0:0:1", 0, "b"), ("0:0:1", 1, "x")])
+    (found,) = audit_log(tmp_path, [("0:0:0", 0, "a"), ("0:0:1", 0, "b", False), ("0:0:1", 1, "x")])
     assert found.startswith("I9: step 0:0:1 asked with two different texts")
 
 
 def test_audit_names_more_than_one_step_past_the_cut_asked_again(tmp_path):
     steps = [("0:0:0", 0, "a"), ("0:0:1", 0, "b"), ("0:1:0", 0, "c")]
     (found,) = audit_log(tmp_path, [*steps, ("0:0:1", 1, "b"), ("0:1:0", 1, "c")])
-    assert "attempt 1 asked again for 2 environment steps an earlier attempt" in found
+    assert "attempt 1 asked again for 2 environment steps whose results an earlier" in found
+
+
+def test_audit_passes_requests_a_kill_left_without_results_asked_again(tmp_path):
+    """A pass's requests are written ahead together (a group commit), so a kill may leave
+    several without results; asking those again is no repeat (the environment was asked at
+    most the one it was inside). One with a logged result asked again is."""
+    from asyncrl.cli.audit import AuditReport, _audit_steps
+
+    rows = [{"kind": "request", "step_id": "0:0:0", "attempt": 0, "text_sha256": "a"},
+            {"kind": "result", "step_id": "0:0:0", "attempt": 0}]  # fmt: skip
+    for sid in ("0:1:0", "0:2:0", "0:3:0"):  # written ahead, then the kill
+        rows.append({"kind": "request", "step_id": sid, "attempt": 0, "text_sha256": "b"})
+    for sid in ("0:1:0", "0:2:0", "0:3:0"):
+        rows.append({"kind": "request", "step_id": sid, "attempt": 1, "text_sha256": "b"})
+        rows.append({"kind": "result", "step_id": sid, "attempt": 1})
+    events = [{"event": "resume", "attempt": 1, "from_step": 1, "recorded_steps": []}]
+
+    def violations(extra=()):
+        (tmp_path / "env_steps.jsonl").write_text("".join(json.dumps(r) + "\n" for r in
+                                                          [*rows, *extra]))  # fmt: skip
+        (tmp_path / "events.jsonl").write_text("".join(json.dumps(e) + "\n" for e in events))
+        report = AuditReport(2, 8, 1)
+        _audit_steps(tmp_path, report, 3)
+        return report.violations
+
+    assert violations() == []
+    (found,) = violations([{"kind": "request", "step_id": "0:0:0", "attempt": 1,
+                            "text_sha256": "a"}])  # fmt: skip
+    assert "whose results an earlier attempt had logged" in found and "0:0:0" in found
+
+
+def test_audit_names_steps_asked_under_new_ids_by_episodes_that_do_not_start_over(tmp_path):
+    """Defect 1 as audit sees it: the steps past the cut asked again under `:1` ids were new
+    ids to every check by id. An attempt whose resume says its episodes do not start over
+    must keep the log's ids; one that says they do (`restart_episode`) may not."""
+    from asyncrl.cli.audit import AuditReport, _audit_steps
+
+    rows = []
+    for sid, attempt in (("5:0:0", 0), ("5:0:1", 0), ("5:0:0:1", 1), ("5:0:1:1", 1)):
+        rows.append({"kind": "request", "step_id": sid, "attempt": attempt, "text_sha256": "a"})
+        rows.append({"kind": "result", "step_id": sid, "attempt": attempt})
+    (tmp_path / "env_steps.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    for start_over, expected in ((False, 1), (True, 0)):
+        event = {"event": "resume", "attempt": 1, "from_step": 1, "recorded_steps": [],
+                 "episodes_start_over": start_over}  # fmt: skip
+        (tmp_path / "events.jsonl").write_text(json.dumps(event) + "\n")
+        report = AuditReport(2, 8, 1)
+        _audit_steps(tmp_path, report, 3)
+        assert len(report.violations) == expected, report.violations
+        if expected:
+            assert "5:0:0:1, 5:0:1:1" in report.violations[0]
 
 
 def test_audit_names_a_journaled_call_for_a_text_the_log_did_not_ask(tmp_path):

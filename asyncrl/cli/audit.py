@@ -12,11 +12,15 @@
   (`tool_calls_repeated`, as `restart_episode` does); each episode's steps are its turns 0,
   1, 2, ... without a gap, each below `env.max_turns`; a resume that declared repeats
   (`tool_calls_repeated`, as `restart_episode` does) asked again for no more steps than it
-  declared; past the checkpoint, a resumed attempt asked again for at most one step an
-  earlier attempt had asked (the one in flight at the kill: the steps log recovers the
-  others); one step id was asked with one text (`text_sha256`); and in the environments' own
-  journals (`RUN_DIR/env/*.jsonl`, a JSON object with a `step_id` a line, as the built-in
-  calculator keeps) no step was executed twice, nor for a text other than the log's.
+  declared; past the checkpoint, a resumed attempt asked again for no step whose result an
+  earlier attempt had logged (the steps log answers those; a request the kill left without a
+  result may be asked again); an attempt whose episodes do not start over
+  (`episodes_start_over: false` in its resume event) asked no step under a new restart count
+  of an episode whose results an earlier attempt had logged; one step id was asked with one
+  text (`text_sha256`); and in the environments' own journals (`RUN_DIR/env/*.jsonl`, a JSON
+  object with a `step_id` a line, as the built-in calculator keeps: its result rows count as
+  executions, its intent rows do not) no step was executed twice, nor for a text other than
+  the log's.
 """
 
 from __future__ import annotations
@@ -218,10 +222,13 @@ def _audit_steps(
     if not path.exists():
         return
     problems: list[str] = []
-    requests = [
-        r for r in iter_jsonl(path, problems, strict) if r.get("kind", "request") == "request"
-    ]
+    records = list(iter_jsonl(path, problems, strict))
+    requests = [r for r in records if r.get("kind", "request") == "request"]
     asked = [(str(r["step_id"]), int(r["attempt"])) for r in requests]
+    answered: dict[str, int] = {}  # step id -> the first attempt that logged its result
+    for r in records:
+        if r.get("kind") == "result":
+            answered.setdefault(str(r["step_id"]), int(r["attempt"]))
     report.violations += [f"damaged record: {p}" for p in problems]
     report.num_env_steps = len({s for s, _ in asked})
     texts: dict[str, str] = {}  # step id -> the hash of the text it was first asked with
@@ -259,18 +266,26 @@ def _audit_steps(
                 f"environment steps step {event['from_step']}'s checkpoint had recorded "
                 f"(the resume declared {declared or 'none'}): {', '.join(again[:10])}"
             )
-        # past the cut, only the step in flight at the kill (asked, its result not logged)
-        # may be asked again: the steps log recovers every other
+        # past the cut, a step whose result an earlier attempt logged is answered from the
+        # log, never asked again; only those the kill left without a result may be (a pass's
+        # requests are written ahead together, so several may be; at most the one inside the
+        # environment at the kill had been asked)
         attempt = int(event["attempt"])
         redone = sorted(
-            {s for s, a in asked if a == attempt and s not in recorded and first_attempt[s] < a}
-        )
-        if len(redone) > 1:
+            {
+                s
+                for s, a in asked
+                if a == attempt and s not in recorded and first_attempt[s] < a
+                and answered.get(s, attempt) < attempt
+            }
+        )  # fmt: skip
+        if redone:
             report.violations.append(
-                f"I9: attempt {attempt} asked again for {len(redone)} environment steps an "
-                f"earlier attempt had asked after the checkpoint (at most the one in flight at "
-                f"the kill may be): {', '.join(redone[:10])}"
+                f"I9: attempt {attempt} asked again for {len(redone)} environment steps whose "
+                f"results an earlier attempt had logged after the checkpoint (the steps log "
+                f"answers those): {', '.join(redone[:10])}"
             )
+    report.violations += _new_ids(asked, answered, run_dir)
     turns: dict[str, set[int]] = {}
     for step_id, _ in asked:
         ordinal, sample, turn, restarts = parse_step_id(step_id)
@@ -286,6 +301,39 @@ def _audit_steps(
             f"I9: episodes stepped past env.max_turns={max_turns} (turns are counted from 0): "
             f"{', '.join(past[:10])}"
         )
+
+
+def _new_ids(asked: list[tuple[str, int]], answered: dict[str, int], run_dir: Path) -> list[str]:
+    """I9's ids: an attempt whose resume event says its episodes do not start over
+    (`episodes_start_over: false`) asks every step under the id the steps log knows it by.
+    An episode it opened under a new restart count while an earlier attempt had logged a
+    result of that episode under a lower one executed those steps again under new ids, which
+    no journal keyed by id can tell."""
+    keeps = {
+        int(e["attempt"])
+        for e in iter_jsonl(run_dir / "events.jsonl")
+        if e.get("event") == "resume" and e.get("episodes_start_over") is False
+    }
+    found: list[str] = []
+    for attempt in sorted(keeps):
+        before = {parse_step_id(s) for s, a in asked if a < attempt}
+        opened = {(o, i, r) for o, i, _, r in before}
+        done = [parse_step_id(s) for s, a in answered.items() if a < attempt]
+        again = sorted(
+            s
+            for s, a in asked
+            if a == attempt
+            and (step := parse_step_id(s))[3] > 0
+            and step[:2] + step[3:] not in opened
+            and any((o, i) == step[:2] and r < step[3] for o, i, _, r in done)
+        )
+        if again:
+            found.append(
+                f"I9: attempt {attempt} asked {len(again)} environment steps under new ids "
+                f"(a restart count) though its episodes do not start over, while earlier "
+                f"attempts had logged their episodes' results: {', '.join(again[:10])}"
+            )
+    return found
 
 
 def _audit_journals(folder: Path, report: AuditReport, run_id: str = "") -> None:

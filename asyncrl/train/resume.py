@@ -157,6 +157,14 @@ def _decode_latest(trainer: Trainer, latest: Verified) -> Snapshot:
     return decode(latest, templates) if templates else decode(latest)
 
 
+def _start_over(trainer: Trainer) -> dict[str, bool]:
+    """`episodes_start_over` for a multi-turn run's resume event: whether its episodes start
+    over under new step ids (`restart_episode`, a `restart` environment); where they do not,
+    `audit` holds every step to the ids the steps log knows it by."""
+    episodes = trainer.parts.collector.episodes
+    return {} if episodes is None else {"episodes_start_over": episodes.starts_over}
+
+
 def _record_resume(
     trainer: Trainer,
     plan: ResumePlan,
@@ -178,6 +186,7 @@ def _record_resume(
         cursor=cursor,
         **plan_fields(plan, trainer.continued, episodes=bool(config.env.name)),
         **({"recorded_steps": trainer.recorded_steps} if config.env.name else {}),
+        **_start_over(trainer),
         **({} if kept is None else {"kept_rollouts": kept}),
         rejected_checkpoints=run.rejected,
         config_changes={**benign_differences(saved_config, config), **run.notes},

@@ -8,9 +8,9 @@ tally / 9 (so an environment restored wrong changes the reward, even on the last
 step is written to the journal `$TALLY_JOURNAL` (`PID STEP_ID TEXT_SHA256` a line): the tests
 read which process called which step, with which text.
 
-Three classes, one per way of coming back after a resume: `Tally` replays its recorded turns
-(checking each against what it would have answered), `TallyState` saves its state, and
-`TallyRestart` can only start over.
+Three kinds, one per way of coming back after a resume: `Tally` replays its recorded turns
+(checking each against what it would have answered), `TallyState` saves its state (`TallyTensor`
+with tensors in it), and `TallyRestart` can only start over.
 """
 
 from __future__ import annotations
@@ -70,6 +70,23 @@ class TallyState(Tally):
         self.tally, self.turns = int(state["tally"]), int(state["turns"])
         version, internal, gauss = state["rng"]
         self.rng.setstate((int(version), tuple(int(x) for x in internal), gauss))
+
+
+class TallyTensor(TallyState):
+    """Restorable, its state holding tensors (the protocol allows them): the tally as a 0-d
+    tensor and the RNG's internal state as an int64 tensor."""
+
+    def state_dict(self) -> dict[str, Any]:
+        import torch
+
+        version, internal, gauss = self.rng.getstate()
+        return {"tally": torch.tensor(self.tally), "turns": self.turns,
+                "rng": [version, torch.tensor(internal, dtype=torch.int64), gauss]}  # fmt: skip
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.tally, self.turns = int(state["tally"]), int(state["turns"])
+        version, internal, gauss = state["rng"]
+        self.rng.setstate((int(version), tuple(int(x) for x in internal.tolist()), gauss))
 
 
 class TallyRestart(Tally):
