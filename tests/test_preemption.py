@@ -167,3 +167,32 @@ def test_inspect_names_the_newest_kept_rollouts_after_the_last_notice(tmp_path):
     del events[-1]  # one keep only: that one
     (tmp_path / "events.jsonl").write_text("".join(json.dumps(e) + "\n" for e in events))
     assert preemption_line(last_preemption(tmp_path)).endswith("beside step 3's checkpoint")
+
+
+def test_a_repeated_signal_never_aborts_the_notices_checkpoint_and_a_third_aborts(monkeypatch):
+    """The handler's rules (issue 63): a second same signal before the notice's checkpoint is
+    verified is noted, not obeyed (Slurm with torchrun may deliver SIGTERM twice); another
+    kind is one more notice; the third same signal aborts by raising `Aborted` in the main
+    thread, so the run's cleanup (`finally`, close) still runs. Once the checkpoint is
+    verified, a repeat only ends the waits left (`hurry`)."""
+    import signal
+
+    from asyncrl.train import signals
+
+    def exits(code):
+        raise AssertionError(f"os._exit({code}): no cleanup runs")
+
+    monkeypatch.setattr(signals.os, "_exit", exits)
+    stop = StopRequest()
+    stop._handle(signal.SIGTERM, None)
+    stop._handle(signal.SIGTERM, None)  # the checkpoint goes on
+    stop._handle(signal.SIGUSR1, None)
+    assert [n.source for n in stop.notices] == ["SIGTERM", "SIGUSR1"]
+    assert not stop.hurry.is_set()
+    with pytest.raises(signals.Aborted):
+        stop._handle(signal.SIGTERM, None)
+    verified = StopRequest()
+    verified._handle(signal.SIGINT, None)
+    verified.checkpoint_verified()
+    verified._handle(signal.SIGINT, None)  # nothing left to lose: the waits end
+    assert verified.hurry.is_set() and verified.cut_short_by == "SIGINT"

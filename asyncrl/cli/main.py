@@ -3,8 +3,10 @@
 Exit codes: 0 done; 1 the run failed, or `audit` found violations, or `inspect` found no
 verified checkpoint; 2 bad input (config, data, run dir; for `export` and `eval` also no
 verified or no such checkpoint, OUT not empty) with a message naming what to fix;
-75 stopped by a preemption notice (SIGTERM, SIGUSR1, SIGUSR2, SIGINT) after writing a
-checkpoint (run the same command to resume); 130 the same signal twice aborted at once.
+75 stopped by a preemption notice (SIGTERM, SIGUSR1, SIGUSR2, SIGINT, a Ray drain) once its
+checkpoint is verified (run the same command to resume); 130 the same signal a third time
+before that checkpoint was verified: aborted through the run's cleanup, the newest verified
+checkpoint stands (`asyncrl.train.signals`).
 """
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ from __future__ import annotations
 import argparse
 import sys
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 from asyncrl.config import ConfigError
 from asyncrl.config.keys import load_config
@@ -106,7 +108,7 @@ def _train(args: argparse.Namespace) -> int:
     from asyncrl.rollout.collector import GenerationFailed
     from asyncrl.train.ranks import RankFailed, serve, this_rank
     from asyncrl.train.rundir import RunDirError
-    from asyncrl.train.signals import EXIT_PREEMPTED, Preempted, StopRequest
+    from asyncrl.train.signals import EXIT_ABORTED, EXIT_PREEMPTED, Aborted, Preempted, StopRequest
     from asyncrl.train.trainer import train
 
     if this_rank() > 0:  # torchrun started this rank: it answers rank 0 (asyncrl.distributed)
@@ -124,7 +126,9 @@ def _train(args: argparse.Namespace) -> int:
         print(f"asyncrl: error: {err}", file=sys.stderr)
         return EXIT_BAD_INPUT
     except Preempted:
-        return EXIT_PREEMPTED
+        return end_now(EXIT_PREEMPTED) if stop.abandoned else EXIT_PREEMPTED
+    except Aborted:
+        return end_now(EXIT_ABORTED) if stop.abandoned else EXIT_ABORTED
     except (GenerationFailed, NonFiniteLoss, CheckpointError, RankFailed) as err:
         print(f"asyncrl: error: {err}", file=sys.stderr)
         print(
@@ -135,6 +139,20 @@ def _train(args: argparse.Namespace) -> int:
         return EXIT_FAILED
     print(end_of_run_report(Path(args.run_dir), config.logging.plot))
     return EXIT_OK
+
+
+def end_now(code: int) -> NoReturn:
+    """Ends the process with `code` once the run's cleanup is done, where a generation thread
+    was given up still running (`StopRequest.abandoned`): the interpreter's own end would
+    meet it, and a thread that wakes in native code then (torch, Ray) can abort the process,
+    turning 75 into 134. The exit handlers run first."""
+    import atexit
+    import os
+
+    sys.stdout.flush()
+    sys.stderr.flush()
+    atexit._run_exitfuncs()
+    os._exit(code)
 
 
 def _inspect(args: argparse.Namespace) -> int:
