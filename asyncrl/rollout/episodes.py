@@ -3,43 +3,35 @@ per sample, each assistant turn handed to it, its reply appended to the sample a
 policy did not sample.
 
 Token in, token out: the sample's tokens are what the engine sampled and what the replies
-encoded to, never re-tokenized; a reply is encoded as the chat template continues the history
-after the assistant's end-of-turn token (or, for a tokenizer without a template, as its
-messages' text). The episode's state (`asyncrl.core.episodes.Episode`) lives in the sample's
-`Partial`, so the checkpoint cut holds it; live environments are a cache of it, rebuilt on a
-resume as the environment's `restore` kind says.
+encoded to, never re-tokenized (`asyncrl.rollout.chat_tokens`). The episode's state
+(`asyncrl.core.episodes.Episode`) lives in the sample's `Partial`, so the checkpoint cut holds
+it; live environments are a cache of it, rebuilt on a resume as the environment's `restore`
+kind says.
 """
 
 from __future__ import annotations
 
-import base64
-import copy
-import json
 from collections.abc import Sequence
 from dataclasses import replace
 from pathlib import Path
 from typing import Any, NamedTuple
 
 import torch
-from safetensors.torch import load as load_tensors
-from safetensors.torch import save as save_tensors
 from transformers import PreTrainedTokenizerBase
 
 from asyncrl.checkpoint.restore import SKIP_RESTORE
-from asyncrl.checkpoint.snapshot import flatten_part, unflatten
 from asyncrl.core.episodes import Episode, Message, parse_step_id, step_id, text_sha256
 from asyncrl.core.partial import Partial
 from asyncrl.core.resume import ResumePolicy, SavedSample, starts_over
 from asyncrl.core.seeds import derived_seed
 from asyncrl.core.types import PromptTicket
 from asyncrl.faults import fault_point
+from asyncrl.rollout.chat_tokens import ChatTokens
+from asyncrl.rollout.env_state import checked_state, decode_state, encode_state
 from asyncrl.rollout.scorer import Scored
 from asyncrl.rollout.steps_log import StepsLog
 from asyncrl.tasks.environments import Environment
 from asyncrl.tasks.examples import Example
-
-STATE_PART = "env_state"
-"""The name a `restorable` environment's state is flattened under (its tensors' prefix)."""
 
 
 def env_seed(seed: int, ordinal: int, sample: int) -> int:
@@ -99,14 +91,13 @@ class EpisodeRunner:
         self.env_name = env_name
         self.examples = examples
         self.tokenizer = tokenizer
-        self.eos_id = eos_id
         self.seed = seed
         self.max_turns = max_turns
         self.max_new_tokens = max_new_tokens
         self.max_episode_tokens = max_episode_tokens
-        self.chat = bool(getattr(tokenizer, "chat_template", None))
-        if self.chat:  # the token the template ends an assistant turn with, if special
-            self.eos_id = turn_end_id(tokenizer, eos_id)
+        self.chat_tokens = ChatTokens(tokenizer, eos_id)
+        self.chat = self.chat_tokens.chat
+        self.eos_id = self.chat_tokens.eos_id  # a chat template's end of turn, if special
         self._envs: dict[tuple[int, int], Any] = {}
         self._prompts: dict[int, list[int]] = {}
         self.log = StepsLog(steps_log)  # the write-ahead log of the steps
@@ -388,8 +379,7 @@ class EpisodeRunner:
         failure names this step, not a checkpoint steps later."""
         state = self._call(env.state_dict, "state_dict", f"step {sid}")
         try:
-            json.dumps(flatten_part(STATE_PART, state, {}))
-            return copy.deepcopy(state)
+            return checked_state(state)
         except (TypeError, ValueError, RecursionError) as err:
             raise EpisodeError(
                 f"env.name={self.env_name}: state_dict() after step {sid} returned what a "
@@ -483,87 +473,19 @@ class EpisodeRunner:
         self._prompts[ticket.ordinal] = self._render(openings[0])
 
     def _render(self, messages: list[Message]) -> list[int]:
-        if self.chat:
-            encoded: Any = self.tokenizer.apply_chat_template(
-                messages, add_generation_prompt=True, tokenize=True
-            )
-            ids = encoded["input_ids"] if hasattr(encoded, "keys") else encoded
-            return [int(x) for x in ids]
-        return self._encode("".join(m["content"] for m in messages))
+        return self.chat_tokens.render(messages)
 
     def _reply_ids(self, episode: Episode, messages: list[Message], ended: bool) -> list[int]:
-        """The tokens of the environment's reply as the history continues it: the chat
-        template's text after the assistant's end-of-turn token, up to the next assistant
-        turn's opening (an end-of-turn token first, where the turn was cut off)."""
-        eos = [] if ended else [self.eos_id]
-        if not self.chat:
-            return eos + self._encode("".join(m["content"] for m in messages))
-        history = episode.history()  # the reply's messages are its last ones
-        before = self._template(history[: len(history) - len(messages)], generation=False)
-        after = self._template(history, generation=True)
-        if not after.startswith(before):
-            raise EpisodeError(
-                f"env.name={self.env_name}: the chat template does not extend the history "
-                "turn by turn (its rendering of a longer conversation does not start with the "
-                "shorter one's), so replies cannot be appended as tokens"
-            )
-        eos_text = str(self.tokenizer.decode([self.eos_id]))
-        tail = before[before.rindex(eos_text) + len(eos_text) :] if eos_text in before else ""
-        return eos + self._encode(tail + after[len(before) :])
-
-    def _encode(self, text: str) -> list[int]:
-        return [int(x) for x in self.tokenizer(text, add_special_tokens=False)["input_ids"]]
-
-    def _template(self, messages: list[Message], generation: bool) -> str:
-        return str(
-            self.tokenizer.apply_chat_template(
-                messages, add_generation_prompt=generation, tokenize=False
-            )
-        )
-
-
-def turn_end_id(tokenizer: PreTrainedTokenizerBase, eos_id: int) -> int:
-    """The token a chat template closes an assistant message with (`<|im_end|>` in ChatML),
-    where it is a special or added token of its own; else `eos_id`. Generation stops an
-    episode's turn there, so the tokens are the template's (an instruct model's eos is usually
-    this token; a base tokenizer's `<|endoftext|>` is not)."""
-    marker = "ASYNCRL-TURN-END-MARKER"
-    text = str(
-        tokenizer.apply_chat_template(
-            [{"role": "user", "content": "q"}, {"role": "assistant", "content": marker}],
-            tokenize=False,
-        )
-    )
-    suffix = text[text.index(marker) + len(marker) :] if marker in text else ""
-    ids = tokenizer(suffix, add_special_tokens=False)["input_ids"] if suffix else []
-    added = set(getattr(tokenizer, "added_tokens_decoder", {})) | set(tokenizer.all_special_ids)
-    if ids and int(ids[0]) in added:  # a token of its own, not text
-        return int(ids[0])
-    return eos_id
+        """The tokens of the environment's reply as the history continues it
+        (`ChatTokens.reply_ids`)."""
+        try:
+            return self.chat_tokens.reply_ids(episode.history(), len(messages), ended)
+        except ValueError as err:
+            raise EpisodeError(f"env.name={self.env_name}: {err}") from None
 
 
 def _last_step(episode: Episode) -> str:
     return episode.turns[-1].step_id if episode.turns else "none"
-
-
-def encode_state(state: Any) -> dict[str, Any]:
-    """A `restorable` environment's state as the steps log's result record holds it: `state`,
-    the JSON tree the checkpoint's codec makes of it (`flatten_part`: each tensor a
-    `{"__tensor__": NAME}` reference), and where it has tensors, `state_tensors`, their
-    safetensors file as base64 (no pickle: DESIGN.md I7). A JSON state is stored as itself."""
-    tensors: dict[str, torch.Tensor] = {}
-    tree = flatten_part(STATE_PART, state, tensors)
-    if not tensors:
-        return {"state": tree}
-    owned = {k: v.detach().to("cpu").contiguous().clone() for k, v in tensors.items()}
-    return {"state": tree, "state_tensors": base64.b64encode(save_tensors(owned)).decode()}
-
-
-def decode_state(record: dict[str, Any]) -> Any:
-    """The state `encode_state` put into a result record, its tensors bit for bit."""
-    packed = record.get("state_tensors")
-    tensors = load_tensors(base64.b64decode(packed)) if packed else {}
-    return unflatten(record["state"], tensors)
 
 
 def _check_messages(messages: Any, where: str) -> None:
