@@ -231,15 +231,17 @@ def check_run(run_dir: Path) -> None:
 
 def check_journal(run_dir: Path, kills: int) -> tuple[int, int]:
     """I9 over a whole run from the environment's own journal (`PID STEP_ID TEXT_SHA256` a
-    line): no step asked with two texts, and at most one step executed twice per kill (the
-    one in flight at it). Returns (steps executed, steps executed more than once)."""
+    line): no step asked with two texts, and at most one turn (`ORDINAL:SAMPLE:TURN`, whatever
+    its restart count) executed twice per kill (the one in flight at it). Returns (turns
+    executed, turns executed more than once)."""
     path = journal(run_dir)
     rows = [line.split() for line in path.read_text().splitlines()] if path.exists() else []
     texts: dict[str, set[str]] = {}
     count: dict[str, int] = {}
     for _, sid, *sha in rows:
         texts.setdefault(sid, set()).update(sha)
-        count[sid] = count.get(sid, 0) + 1
+        turn = ":".join(sid.split(":")[:3])  # a turn asked again under a new id counts too
+        count[turn] = count.get(turn, 0) + 1
     two = sorted(s for s, t in texts.items() if len(t) > 1)
     if two:
         raise ChaosViolation(f"I9: {run_dir}: steps asked with two texts: {two[:5]}")
