@@ -241,16 +241,18 @@ def ray_reference(tmp_path_factory, request) -> tuple[list[tuple], str]:
 def test_on_ray_a_killed_driver_resumes_bitwise_the_uninterrupted_run(
     tmp_path, repo_root, ray_reference
 ):
-    # one kill (each Ray launch starts a cluster and its workers: seconds): right after the
-    # first update once the checkpoint of step 9 is durable (step 10's, unless its write is
-    # slow: placed by state, not by a count), with generation for the next steps on the
-    # workers; a kill mid-checkpoint is the store's alone, tested on threads above
+    # two kills (each Ray launch starts a cluster and its workers: seconds): mid-checkpoint,
+    # writing step 6's (with the workers generating ahead: their groups in flight at the cut
+    # are the ones the resume dispatches again); then right after the first update once the
+    # checkpoint of step 9 is durable (step 10's, unless its write is slow: placed by state,
+    # not by a count), with generation for the next steps on the workers
     run = tmp_path / "run"
+    run_to_kill(run, repo_root, "checkpoint.file_written[step=6]", RAY)
     run_to_kill(run, repo_root, "checkpoint.parent_fsynced[step=9]>train.weights_published", RAY)
     assert finish(run, repo_root, extra=RAY) == 0
-    assert {r["attempt"] for r in read_records(run / "metrics.jsonl")} == {0, 1}
-    (resume,) = [e for e in read_records(run / "events.jsonl") if e["event"] == "resume"]
-    assert resume["from_step"] == 9
+    assert {r["attempt"] for r in read_records(run / "metrics.jsonl")} == {0, 1, 2}
+    resumes = [e for e in read_records(run / "events.jsonl") if e["event"] == "resume"]
+    assert [e["from_step"] for e in resumes] == [3, 9]
     assert fingerprint(run) == ray_reference
     assert audit_run_dir(run).ok
 
