@@ -34,6 +34,8 @@ from asyncrl.models.policy import load_policy
 from asyncrl.rollout import vllm_server
 from asyncrl.rollout.engine import EngineSpec, GenerationRequest
 from asyncrl.rollout.jobs import continue_job
+from asyncrl.rollout.server_auth import SECRET_ENV
+from asyncrl.rollout.server_leases import RELEASED, parse_tag, write_tag
 from asyncrl.rollout.weight_sync import CopyWeightSync
 
 if os.environ.get("CI") != "true":  # CI installs vLLM: there the tests must run, not skip
@@ -305,8 +307,36 @@ def test_hung_servers_are_found_by_their_health_before_their_reply_and_mid_strea
     assert all(s.alive and s.process.pid not in pids for s in engine.servers)
 
 
+def release(engine, monkeypatch):
+    """The fixture's servers freed for another run (as docs/servers.md says to free a server a
+    killed run held), and their secret given to it (`ASYNCRL_SERVER_SECRET`)."""
+    for server in engine.servers:
+        write_tag(server, RELEASED)
+    monkeypatch.setenv(SECRET_ENV, engine._secret)
+
+
+def test_launched_servers_refuse_every_route_asyncrl_uses_without_the_launchs_secret(engine):
+    """vLLM's `--api-key` guards `/v1` alone; the launch's middleware guards the rest, the
+    dev-mode routes that change a server's weights among them. The secret is in no server's
+    command line (`/proc/PID/cmdline` is every user's to read), and servers listen on
+    127.0.0.1 only."""
+    routes = [("POST", "/collective_rpc"), ("POST", "/v1/load_lora_adapter"),
+              ("POST", "/pause"), ("POST", "/resume"), ("POST", "/update_weight_version"),
+              ("POST", "/abort_requests"), ("GET", "/server_info"), ("GET", "/is_paused"),
+              ("GET", "/weight_info"), ("GET", "/health"), ("GET", "/v1/models"),
+              ("POST", "/v1/completions")]  # fmt: skip
+    for server in engine.servers:
+        assert server.url.startswith("http://127.0.0.1:")
+        for method, route in routes:
+            bare = httpx.request(method, server.url + route, json={}, timeout=30)
+            assert bare.status_code == 401, (route, bare.status_code, bare.text[:200])
+        assert server.control.get(server.url + "/weight_info").status_code == 200
+        command = Path(f"/proc/{server.process.pid}/cmdline").read_bytes()
+        assert engine._secret.encode() not in command
+
+
 def test_a_lora_runs_adapters_reach_attached_servers_per_version_over_its_base_loaded_once(
-    engine, tmp_path
+    engine, tmp_path, monkeypatch
 ):
     """`rollout.vllm.lora_requests` on servers (this file's two, attached by URL): each gets
     the run's frozen base once (`reload_weights`: a base of another seed than the servers'),
@@ -325,6 +355,7 @@ def test_a_lora_runs_adapters_reach_attached_servers_per_version_over_its_base_l
     new_adapters(model, 1)
     weights.publish(0, generation_weights(model, merged=False))
     urls = [s.url for s in engine.servers]
+    release(engine, monkeypatch)
     options = {"vllm": {"kv_cache_bytes": 32 << 20}, "servers": {"urls": urls},
                "run_dir": str(tmp_path)}  # fmt: skip
     spec = EngineSpec(model, lora.eos_id, lora.pad_id, MAX_NEW, 0.8, options=options,
@@ -347,9 +378,8 @@ def test_a_lora_runs_adapters_reach_attached_servers_per_version_over_its_base_l
         assert all(s.base and s.version == 1 for s in attached.servers)
         assert attached.metrics()["engine_weight_updates"] == 2
     finally:
-        attached.shutdown()
-        for server in engine.servers:  # they now hold this test's base: reloaded when used
-            server.version = None
+        attached.shutdown()  # released: the fixture's next batch reads that back and reloads
+        for server in engine.servers:
             with contextlib.suppress(Exception):
                 server.post("/v1/unload_lora_adapter", {"lora_name": "v1"})
 
@@ -389,21 +419,19 @@ def test_a_killed_trainers_servers_are_stopped_at_the_relaunch_and_sigterm_stops
     tmp_path,
 ):
     """The trainer SIGKILLed mid-generation after its first checkpoint: its launched servers
-    outlive it (their own process groups); the relaunch stops them, launches its own, resumes
-    (the partials continued) and, at SIGTERM, checkpoints and stops its servers (exit 75). No
-    server process is left; `audit` passes."""
+    (their own process groups) are ended by its lifeline, not left to the relaunch; the
+    relaunch launches its own, resumes (the partials continued) and, at SIGTERM, checkpoints
+    and stops its servers (exit 75). No server process is left; `audit` passes."""
     run = tmp_path / "run"
     done = cli(run, fault="checkpoint.parent_fsynced>engine.decode_step:2")
     assert done.returncode == -signal.SIGKILL, done.stdout[-2000:] + done.stderr[-3000:]
     first = launched_pids(run)
-    assert all(not process_gone(pid, 0.1) for pid in first)  # outlived the trainer
+    assert all(process_gone(pid, 60) for pid in first)  # ended by the killed launch's lifeline
     done = cli(run, fault="train.weights_published[step=6]", fault_signal="SIGTERM")
     assert done.returncode == 75, done.stdout[-2000:] + done.stderr[-3000:]
-    assert "stopped 1 vLLM server(s) a killed launch left running" in done.stdout
-    assert all(process_gone(pid, 30) for pid in first)
     assert not (run / "servers/launched.json").exists()  # its own: stopped at exit
     assert not processes_mentioning(str(run))  # no server of either launch is left
-    logs = sorted(p.name for p in (run / "servers").iterdir())
+    logs = sorted(p.name for p in (run / "servers").iterdir() if p.name.startswith("server_"))
     assert logs == ["server_0.log"]  # both launches' server 0, one after the other
     (resume,) = [e for e in read_records(run / "events.jsonl") if e["event"] == "resume"]
     assert resume["from_step"] >= 1
@@ -412,7 +440,7 @@ def test_a_killed_trainers_servers_are_stopped_at_the_relaunch_and_sigterm_stops
 
 
 def test_a_killed_trainer_reattaches_loads_the_checkpoints_weights_first_and_ctrl_c_leaves_them(
-    engine, tmp_path
+    engine, tmp_path, monkeypatch
 ):
     """Servers the user runs (this file's two, attached by URL): the trainer SIGKILLed at its
     publish of step 7, after its checkpoint of step 4, leaves them holding newer weights (what
@@ -423,6 +451,7 @@ def test_a_killed_trainer_reattaches_loads_the_checkpoints_weights_first_and_ctr
     servers left running. Runs last: the servers then hold the run's weights, not the
     fixture's."""
     urls = "rollout.servers.urls=" + ",".join(s.url for s in engine.servers)
+    release(engine, monkeypatch)
     run = tmp_path / "run"
     # A = 0: every step's tokens are sampled with the weights it trains (a resumed step's after
     # the reload), so each step has tokens whose log-probs can be compared, however fast the
@@ -435,7 +464,7 @@ def test_a_killed_trainer_reattaches_loads_the_checkpoints_weights_first_and_ctr
     assert done.returncode == -signal.SIGKILL, done.stdout[-2000:] + done.stderr[-3000:]
     held = [engine.servers[i].control.get(engine.servers[i].url + "/weight_info").json()
             for i in (0, 1)]  # fmt: skip
-    newest = max(int(h["weight_version"]) for h in held)
+    newest = max(parse_tag(h["weight_version"]).version for h in held)
     done = cli(run, *plan, fault="train.weights_published[step=7]", fault_signal="SIGINT",
                servers=urls)  # fmt: skip
     assert done.returncode == 75, done.stdout[-2000:] + done.stderr[-3000:]
