@@ -83,3 +83,16 @@ def batched_short(completions: list[str], answers: list[str]) -> list[float]:
 @batched
 def batched_raises(completions: list[str], answers: list[str]) -> list[float]:
     raise RuntimeError("the grader is down")
+
+
+def wedges_when_told(completion: str, answer: str) -> float:
+    """Scores like an exact match until the file `ASYNCRL_TEST_WEDGE` names exists; from then
+    on a call never returns (a wedged reward service, or a vLLM server that answers `/health`
+    but no request): it first creates `<that file>.wedged`, so a test knows the collector's
+    thread is stuck in it."""
+    wedge = Path(os.environ["ASYNCRL_TEST_WEDGE"])
+    if wedge.exists():
+        Path(f"{wedge}.wedged").touch()
+        while True:
+            time.sleep(1)
+    return float(completion == answer)

@@ -179,10 +179,11 @@ def test_sigterm_writes_an_emergency_checkpoint_and_the_resume_redoes_nothing_fi
     proc.send_signal(signal.SIGTERM)
     out, _ = proc.communicate(timeout=60)
     assert proc.returncode == 75, out
-    events = read_records(run / "events.jsonl")
+    *events, stopped = read_records(run / "events.jsonl")
     assert [e["event"] for e in events][-4:] == [
         "preemption_notice", "signal", "checkpoint", "preemption_result",
     ]  # fmt: skip
+    assert stopped["event"] == "generation_stopped"
     stopped_at = events[-3]["step"]
     assert events[-3]["signal"] == "SIGTERM" and stopped_at >= 7
     assert events[-2]["step"] == events[-1]["step"] == events[-4]["step"] == stopped_at

@@ -176,6 +176,7 @@ class Collector:
         self._version = 0  # the newest published version; the trainer publishes on resume
         self._cond = threading.Condition()
         self._stop = False
+        self._abandoned = False
         self._error: BaseException | None = None
         self._died: BaseException | None = None  # what ended the generation thread last
         self._spans: dict[tuple[int, tuple[int, ...]], Chunk] = {}
@@ -195,8 +196,31 @@ class Collector:
         with self._cond:
             self._stop = True
             self._cond.notify_all()
-        if self._thread.is_alive():
+        if self._thread.is_alive() and not self._abandoned:
             self._thread.join(timeout_s)
+
+    def halt(self) -> None:
+        """Stops admitting, and ends the engine call in progress where the engine can
+        (`stops_early`: the torch engine after the token it is sampling; the batch's tokens go
+        to the ledger as partials, in flight). For a run that is stopping: the engine
+        generates nothing more. Does not wait (`join`)."""
+        with self._cond:
+            self._stop = True
+            self._cond.notify_all()
+        stop_generating = getattr(self.engine, "stop_generating", None)
+        if callable(stop_generating):
+            stop_generating()
+
+    def join(self, timeout_s: float) -> bool:
+        """Waits at most `timeout_s` for the generation thread to end; whether it has."""
+        self._thread.join(max(0.0, timeout_s))
+        return not self._thread.is_alive()
+
+    def abandon(self) -> None:
+        """Gives up a generation thread still stuck in a call (a wedged server, a reward that
+        never returns): `stop` no longer waits for it. Its ordinals stay in flight, as the
+        checkpoint holds them."""
+        self._abandoned = True
 
     def publish_version(self, version: int) -> None:
         """Tells the collector that weights `version` were handed to the engine."""

@@ -81,6 +81,12 @@ def eval_examples(config: Config) -> list[Example]:
     return examples[:limit] if limit else examples
 
 
+class EvaluationGivenUp(Exception):
+    """A preemption notice came during the evaluation (`Evaluator.give_up`): it was given up,
+    its figures are not reported. A resume does not evaluate those weights again; `asyncrl
+    eval DIR --checkpoint step_N` gives the same figures (the same prompts and seeds)."""
+
+
 @dataclass
 class PromptResult:
     """One evaluation prompt's samples: rewards [k], reward components, generated tokens, and
@@ -131,6 +137,14 @@ class Evaluator:
             keep_cache_between_chunks=False,
         )
         self.engine = TorchGenerationEngine(spec, self.weights)
+        self.given_up = False
+
+    def give_up(self) -> None:
+        """Ends the evaluation in progress at the token being sampled, and every later one at
+        once (`EvaluationGivenUp`): a preemption notice, the run is stopping. From a signal
+        handler or any thread: it only sets flags."""
+        self.given_up = True
+        self.engine.stop_generating()
 
     def due(self, version: int) -> bool:
         """Whether weights `version` (after step version-1) are evaluated: every
@@ -139,8 +153,10 @@ class Evaluator:
         return bool(every) and (version % every == 0 or version == self.max_num_steps)
 
     def evaluate(self, version: int, weights: Mapping[str, torch.Tensor]) -> dict[str, float]:
-        """The `eval/...` metrics of `weights` (published to the private engine as `version`)."""
+        """The `eval/...` metrics of `weights` (published to the private engine as `version`).
+        Raises `EvaluationGivenUp` once `give_up` was called."""
         start = time.perf_counter()
+        self._check()
         self.weights.publish(version, weights)
         k = self.config.num_samples
         metrics = {"eval/reward_failures": 0.0}
@@ -196,6 +212,7 @@ class Evaluator:
                     for i in indices
                 ]
                 outputs = self.engine.generate(requests, version)
+                self._check()  # before scoring: a given-up batch's samples are cut short
                 tickets = [PromptTicket(-1 - i, -1, 0, i, i) for i in indices]  # no ordinal
                 results = self.scorer.results(list(zip(tickets, outputs, strict=True)))
                 for result, output in zip(results, outputs, strict=True):
@@ -205,6 +222,10 @@ class Evaluator:
                     else:  # counted, scored as failed: an evaluation never stops training
                         out.append(PromptResult(torch.zeros(samples), {}, tokens, failed=True))
         return out
+
+    def _check(self) -> None:
+        if self.given_up:
+            raise EvaluationGivenUp("given up at a preemption notice")
 
     @contextlib.contextmanager
     def _temperature(self, temperature: float) -> Iterator[None]:

@@ -1,7 +1,9 @@
 """The trainer's side of a preemption notice (`asyncrl.core.preemption` holds the rules): this
 run's measured checkpoint times, the notice announced when the training loop first sees it
 (printed, and a `preemption_notice` event), and the result once the checkpoint is verified
-(a `preemption_result` event: seconds from the notice, deadline met or not)."""
+(a `preemption_result` event: seconds from the notice, deadline met or not, and what became of
+an evaluation); then generation stopped, never waited on past the deadline (a
+`generation_stopped` event). Exit 75 means the notice's checkpoint is verified."""
 
 from __future__ import annotations
 
@@ -10,16 +12,26 @@ import time
 from collections import deque
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+from asyncrl.checkpoint.store import CheckpointError
 from asyncrl.core.preemption import Measured, StopPlan, estimate_s, outcome, plan_stop, seconds
-from asyncrl.train.signals import StopRequest
+from asyncrl.train.kept import keep_at_notice
+from asyncrl.train.signals import Preempted, StopRequest
+
+if TYPE_CHECKING:
+    from asyncrl.train.trainer import Trainer
 
 TAIL_BYTES = 64 << 10
 """How much of `events.jsonl` a launch reads back for the previous launches' checkpoint times
 (and `inspect` for the last preemption): its end only, so the cost does not grow with the run."""
 KEEP = 3
 """Checkpoints whose times an estimate uses: the newest, at the slowest rate among them."""
+EXIT_RESERVE_S = 1.0
+"""Of the time left to a notice's deadline once its checkpoint is verified, what generation may
+not take: the rest of the exit (reward workers, Ray, ranks, logs, the process's end)."""
+POLL_S = 0.1
+"""How often a wait for generation looks whether a repeated signal asks it to end."""
 
 
 def tail_events(path: Path, nbytes: int = TAIL_BYTES) -> list[dict[str, Any]]:
@@ -69,6 +81,12 @@ class Deadlines:
             return None
         return plan_stop(notice, time.monotonic(), estimate_s(self.measured))
 
+    def left_s(self, stop: StopRequest) -> float | None:
+        """Seconds to the earliest deadline now (None: no notice has one)."""
+        notice = stop.notice
+        at = None if notice is None else notice.deadline_at
+        return None if at is None else at - time.monotonic()
+
     def announce(self, stop: StopRequest, step: int, emit: Callable[..., None]) -> None:
         """Prints and records each notice not yet announced: its deadline, and whether the
         checkpoint cut now should be verified before it."""
@@ -92,14 +110,20 @@ class Deadlines:
         stop.reported = len(stop.notices)
 
     def finish(
-        self, stop: StopRequest, step: int, abandoned: bool, emit: Callable[..., None]
+        self,
+        stop: StopRequest,
+        step: int,
+        abandoned: bool,
+        emit: Callable[..., None],
+        evaluation: dict[str, Any] | None = None,
     ) -> str:
-        """Records the result against the earliest deadline; returns the line to print."""
+        """Records the result against the earliest deadline (and `evaluation`: what the notice
+        did to an evaluation, `Trainer.evaluation_at_notice`); returns the line to print."""
         notice = stop.notice
         assert notice is not None
         result = outcome(notice, time.monotonic())
         emit("preemption_result", source=notice.source, step=step, abandoned_step=abandoned,
-             **result)  # fmt: skip
+             **result, **(evaluation or {"evaluation": None}))  # fmt: skip
         took_s = float(result["notice_to_durable_s"] or 0.0)
         took = f"verified {seconds(took_s)} s after the notice"
         if result["met"] is None:
@@ -112,4 +136,74 @@ class Deadlines:
         return (
             f"asyncrl: {notice.source}: checkpoint of step {step} {took}{when}{given_up}; run "
             "the same command again to resume"
+        )
+
+
+def answer_notice(trainer: Trainer, stop: Preempted) -> None:
+    """The emergency checkpoint, first: the cut needs no pause of generation, and a preempted
+    machine's grace period is short. The notice is announced (does the checkpoint fit before
+    its deadline?), generation halted once the cut is taken (nothing it samples after counts),
+    and the result recorded against the notice once the checkpoint is verified. Raises the
+    write's error where it fails: exit 75 is only for a verified checkpoint."""
+    emit = trainer.logs.events.emit
+    trainer.deadlines.announce(trainer.stop, trainer.step, emit)
+    emit("signal", signal=stop.signal_name, step=trainer.step)
+    kept_beside = keep_at_notice(trainer)
+    try:
+        trainer.writer.wait()
+    except CheckpointError as err:  # an earlier periodic save failed: still try this one
+        print(f"asyncrl: an earlier checkpoint write failed: {err}")
+        trainer.last_saved_step = -1  # it may have been this step's: write it again
+    if kept_beside is not None and trainer.keeper.verified_step != kept_beside:
+        # the write in progress was verified (its retain deleted the file beside the
+        # older checkpoint): keep beside the newer one
+        keep_at_notice(trainer)
+    if trainer.last_saved_step != trainer.step:
+        trainer.checkpoint(reason="stop")  # cut and handed to the writer
+    trainer.parts.collector.halt()  # the cut is taken: the engine's time goes to the write
+    trainer.writer.wait()
+    trainer.stop.checkpoint_verified()
+    trainer.deadlines.announce(trainer.stop, trainer.step, emit)  # one that came meanwhile
+    abandoned = trainer.abandoned_step == trainer.step
+    line = trainer.deadlines.finish(
+        trainer.stop, trainer.step, abandoned, emit, trainer.evaluation_at_notice
+    )
+    print(line, flush=True)
+
+
+def stop_generation_by_deadline(trainer: Trainer) -> None:
+    """After a notice (its checkpoint verified, or the run failing or aborting): generation is
+    halted and its thread waited for, at most until the earliest deadline less
+    `EXIT_RESERVE_S` (a notice without one: until it ends), and not at all once a repeated
+    signal says so (`StopRequest.hurry`). A call still running then (a wedged server, a reward
+    that never returns) is given up: its ordinals are counted, in flight in the checkpoint,
+    generated again on resume (from their saved tokens where chunked). A `generation_stopped`
+    event says which."""
+    stop, collector = trainer.stop, trainer.parts.collector
+    start = time.monotonic()
+    collector.halt()
+    trainer.parts.scorer.pool.close()  # a reward call in a worker process fails at once
+    ended = collector.join(0.0)
+    while not ended and not stop.hurry.is_set():
+        left = trainer.deadlines.left_s(stop)
+        budget = POLL_S if left is None else min(POLL_S, left - EXIT_RESERVE_S)
+        if budget <= 0:
+            break
+        ended = collector.join(budget)
+    if not ended:
+        collector.abandon()
+        stop.abandoned = True
+    in_flight = sorted(dict(trainer.parts.ledger.in_flight))  # one C call: no lock needed
+    trainer.logs.events.emit(
+        "generation_stopped",
+        waited_s=time.monotonic() - start,
+        abandoned=not ended,
+        in_flight=in_flight,
+        cut_short_by=stop.cut_short_by,
+    )
+    if not ended:
+        print(
+            f"asyncrl: generation still running at the deadline given up; ordinals {in_flight} "
+            "are in flight in the checkpoint and are generated again on resume",
+            flush=True,
         )

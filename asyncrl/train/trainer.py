@@ -39,7 +39,6 @@ from asyncrl.algos.update import StepAbandoned, abandonable
 from asyncrl.checkpoint.schedule import CheckpointSchedule
 from asyncrl.checkpoint.snapshot import RNGState, Snapshot, Stateful
 from asyncrl.checkpoint.staging import Cut, StagingArea
-from asyncrl.checkpoint.store import CheckpointError
 from asyncrl.checkpoint.writer import CheckpointWriter
 from asyncrl.config import Config
 from asyncrl.config.keys import config_hash
@@ -51,10 +50,10 @@ from asyncrl.models.device import bound_onednn_cache, dtype_line, model_device
 from asyncrl.models.lora import check_base, checkpoint_part, save_final
 from asyncrl.rollout.collector import Chunk, GenerationFailed
 from asyncrl.rollout.episodes import EpisodeRunner
-from asyncrl.rollout.evaluation import eval_line, is_eval_record
+from asyncrl.rollout.evaluation import EvaluationGivenUp, eval_line, is_eval_record
 from asyncrl.train.components import build_components
-from asyncrl.train.kept import RolloutKeeper, held_by, keep_at_notice
-from asyncrl.train.preemption import Deadlines
+from asyncrl.train.kept import RolloutKeeper, held_by
+from asyncrl.train.preemption import Deadlines, answer_notice, stop_generation_by_deadline
 from asyncrl.train.ranks import (
     COLLECTIVE_DEATH_WAIT_S,
     RankFailed,
@@ -143,6 +142,9 @@ class Trainer:
         self.deadlines = Deadlines(self.run_dir / "events.jsonl")
         """Measured checkpoint times, for a preemption notice's deadline."""
         self.abandoned_step: int | None = None
+        self.evaluation_at_notice: dict[str, Any] = {"evaluation": None}
+        """What a notice did to an evaluation (`preemption_result`): `given_up` (one in
+        progress), `skipped` (one due after it), with its `evaluation_version`."""
         self.keeper = RolloutKeeper(self.run_dir / "checkpoints", run.run_id)
         """Groups trained since the newest verified checkpoint, for a notice's kept rollouts."""
         self.keeps = not config.env.name and config.checkpoint.resume_policy == "lossless"
@@ -256,6 +258,7 @@ class Trainer:
             with self.parts.cores.busy():  # idle while it waits for rollouts (`train_step`)
                 if self.step == 0:
                     self._evaluate(0)
+                    self._wait_check()  # a notice during it: stop now
                 while self.step < self.config.run.max_num_steps:
                     record = self.train_step()
                     if is_eval_record(record):
@@ -269,7 +272,7 @@ class Trainer:
                     self.checkpoint()
                 self.writer.wait()  # exit 0 only with the final checkpoint written and verified
         except Preempted as stop:
-            self._on_preempted(stop)
+            answer_notice(self, stop)  # exit 75 only once its checkpoint is verified
             raise
         except GenerationFailed:
             # the cut is still consistent (the failed batch is queued as in flight): keep it
@@ -277,30 +280,11 @@ class Trainer:
                 self.checkpoint(wait=True, reason="generation_failed")
             raise
         finally:
-            self.parts.stop_generation()  # after the emergency checkpoint: waits out one batch
+            if self.stop.requested:  # no wait past the notice's deadline
+                stop_generation_by_deadline(self)
+            self.parts.stop_generation()
             progress.close()
         self.finish()
-
-    def _on_preempted(self, stop: Preempted) -> None:
-        """The emergency checkpoint, first: the cut needs no pause of generation, and a
-        preempted machine's grace period is short. The notice is announced (does the
-        checkpoint fit before its deadline?) and the result recorded against it."""
-        emit = self.logs.events.emit
-        self.deadlines.announce(self.stop, self.step, emit)
-        emit("signal", signal=stop.signal_name, step=self.step)
-        kept_beside = keep_at_notice(self)
-        try:
-            self.writer.wait()
-        except CheckpointError as err:  # an earlier periodic save failed: still try this one
-            print(f"asyncrl: an earlier checkpoint write failed: {err}")
-        if kept_beside is not None and self.keeper.verified_step != kept_beside:
-            # the write in progress was verified (its retain deleted the file beside the
-            # older checkpoint): keep beside the newer one
-            keep_at_notice(self)
-        if self.last_saved_step != self.step:
-            self.checkpoint(wait=True, reason="stop")
-        self.deadlines.announce(self.stop, self.step, emit)  # one that came meanwhile
-        print(self.deadlines.finish(self.stop, self.step, self.abandoned_step == self.step, emit))
 
     def _saved(self, fields: dict[str, Any]) -> None:
         """A checkpoint verified (the writer's thread): its event, and its time measured."""
@@ -384,20 +368,35 @@ class Trainer:
     def _evaluate(self, version: int) -> dict[str, float]:
         """`eval/...` metrics of weights `version` when the evaluation is due for it (also an
         `eval` event), else nothing; version 0, the initial weights, with `eval.at_start`.
-        Generation goes on meanwhile; the trainer waits."""
+        Generation goes on meanwhile; the trainer waits, and hears a notice: the evaluation is
+        given up at once (it does not fit a grace period: SmolLM2's takes minutes, issue 63),
+        and the step is finished without its figures."""
         evaluator = self.parts.evaluator
         if evaluator is None or not (
             evaluator.due(version) if version else self.config.eval.at_start
         ):
             return {}
         if self.stop.requested:  # a preempted machine's grace period is for the checkpoint
-            self.logs.events.emit("eval_skipped", version=version, reason="stop requested")
-            return {}
-        metrics = evaluator.evaluate(version, self._full_weights())
+            return self._no_evaluation(version, "skipped", "stop requested")
+        with self.stop.listening(evaluator.give_up):  # a notice during it: given up at once
+            try:
+                metrics = evaluator.evaluate(version, self._full_weights())
+            except EvaluationGivenUp:
+                return self._no_evaluation(version, "given_up", "given up at a preemption notice")
         self.logs.events.emit("eval", step=version - 1, version=version, **metrics)
         if not version:
             tqdm.write(eval_line({"step": -1, **metrics}), file=sys.stderr)
         return metrics
+
+    def _no_evaluation(self, version: int, what: str, reason: str) -> dict[str, float]:
+        """An evaluation due when a notice came: recorded (`eval_skipped`, and for the notice's
+        `preemption_result`), no figures. Not redone on resume: `asyncrl eval` of the notice's
+        checkpoint gives them (the step whose evaluation it was is finished and checkpointed)."""
+        self.evaluation_at_notice = {"evaluation": what, "evaluation_version": version}
+        self.logs.events.emit("eval_skipped", version=version, reason=reason)
+        if what == "given_up":
+            print(f"asyncrl: evaluation of version {version} given up at the notice", flush=True)
+        return {}
 
     def _scheduled_checkpoint(self) -> None:
         """The checkpoint of `checkpoint.save_period` / `every_s` when it is due, or its
