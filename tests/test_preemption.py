@@ -196,3 +196,41 @@ def test_a_repeated_signal_never_aborts_the_notices_checkpoint_and_a_third_abort
     verified.checkpoint_verified()
     verified._handle(signal.SIGINT, None)  # nothing left to lose: the waits end
     assert verified.hurry.is_set() and verified.cut_short_by == "SIGINT"
+
+
+def test_after_a_notice_the_runs_shutdown_is_given_up_at_the_deadline(capsys):
+    """Issue 63, defect 4: every wait until exit is bounded by the deadline, the run's shutdown
+    too (an attached server that does not answer its release, a Ray slow to stop). A shutdown
+    that never ends is given up once the deadline (less a reserve) comes, and the exit goes on
+    (`abandoned`); without a notice the same shutdown is simply run. The blocked shutdown
+    never returns by itself, so a wait without a bound would hang this test (its timeout)."""
+    import threading
+    import time
+    from types import SimpleNamespace
+
+    from asyncrl.train.preemption import SHUTDOWN_RESERVE_S, Deadlines, shutdown_by_deadline
+
+    released = threading.Event()
+    calls = []
+
+    def shutdown():
+        calls.append(threading.current_thread().name)
+        released.wait()  # wedged until the test ends
+
+    def trainer(stop):
+        return SimpleNamespace(stop=stop, deadlines=Deadlines.__new__(Deadlines),
+                               parts=SimpleNamespace(shutdown=shutdown))  # fmt: skip
+
+    stop = StopRequest(grace_s=SHUTDOWN_RESERVE_S + 0.3)
+    stop.receive("SIGTERM", now_s=time.monotonic())
+    try:
+        shutdown_by_deadline(trainer(stop))
+        assert stop.abandoned and calls == ["asyncrl-shutdown"]
+        assert "given up at the notice's deadline" in capsys.readouterr().out
+        # a notice with no deadline (Ctrl-C) or none at all: the shutdown runs to its end
+        done = StopRequest()
+        released.set()
+        shutdown_by_deadline(trainer(done))
+        assert not done.abandoned and calls[-1] == threading.current_thread().name
+    finally:
+        released.set()

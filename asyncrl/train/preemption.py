@@ -8,6 +8,7 @@ an evaluation); then generation stopped, never waited on past the deadline (a
 from __future__ import annotations
 
 import json
+import threading
 import time
 from collections import deque
 from collections.abc import Callable
@@ -205,5 +206,41 @@ def stop_generation_by_deadline(trainer: Trainer) -> None:
         print(
             f"asyncrl: generation still running at the deadline given up; ordinals {in_flight} "
             "are in flight in the checkpoint and are generated again on resume",
+            flush=True,
+        )
+
+
+SHUTDOWN_RESERVE_S = 0.5
+"""Of the time left to a notice's deadline when the run's shutdown starts, what it may not
+take: the process's own end."""
+
+
+def shutdown_by_deadline(trainer: Trainer) -> None:
+    """Releases what the run started (`Components.shutdown`: Ray actors and a local Ray, vLLM
+    servers launched or attached, reward workers). After a notice with a deadline it runs in a
+    thread waited for at most until the deadline less `SHUTDOWN_RESERVE_S`, and not at all
+    once a repeated signal says so: a release still running then (an attached server that does
+    not answer, a Ray that takes its time) is given up, and the process ends with its exit
+    code; launched servers and scratch copies are ended by their lifeline
+    (`asyncrl.rollout.lifeline`), whatever the process's end."""
+    stop = trainer.stop
+    left = trainer.deadlines.left_s(stop) if stop.requested else None
+    if left is None:
+        trainer.parts.shutdown()
+        return
+    start = time.monotonic()
+    thread = threading.Thread(target=trainer.parts.shutdown, name="asyncrl-shutdown", daemon=True)
+    thread.start()
+    while thread.is_alive() and not stop.hurry.is_set():
+        budget = min(POLL_S, left - SHUTDOWN_RESERVE_S - (time.monotonic() - start))
+        if budget <= 0:
+            break
+        thread.join(budget)
+    if thread.is_alive():
+        stop.abandoned = True  # the CLI ends the process without joining what is left
+        print(
+            f"asyncrl: shutdown still running {time.monotonic() - start:.1f} s after it began "
+            "given up at the notice's deadline (launched vLLM servers are ended by their "
+            "lifeline)",
             flush=True,
         )

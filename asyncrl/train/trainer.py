@@ -53,7 +53,12 @@ from asyncrl.rollout.episodes import EpisodeRunner
 from asyncrl.rollout.evaluation import EvaluationGivenUp, eval_line, is_eval_record
 from asyncrl.train.components import build_components
 from asyncrl.train.kept import RolloutKeeper, held_by
-from asyncrl.train.preemption import Deadlines, answer_notice, stop_generation_by_deadline
+from asyncrl.train.preemption import (
+    Deadlines,
+    answer_notice,
+    shutdown_by_deadline,
+    stop_generation_by_deadline,
+)
 from asyncrl.train.ranks import (
     COLLECTIVE_DEATH_WAIT_S,
     RankFailed,
@@ -512,7 +517,7 @@ def train(
                     raise group.failure(err) from err  # the cause, not the symptom
             raise
         finally:
-            trainer.parts.shutdown()  # Ray actors and a local Ray, if this run started them
+            shutdown_by_deadline(trainer)  # Ray, servers, reward workers; bounded at a notice
     finally:
         if group is not None:
             group.close(graceful)
