@@ -28,7 +28,9 @@ from asyncrl.rollout.jobs import (
     plan_jobs,
     sample_ended,
 )
-from asyncrl.rollout.servers import MARK, RECORD, _start_time, attach_problems, stop_stale
+from asyncrl.rollout.lifeline import start_time
+from asyncrl.rollout.server_attach import attach_problems
+from asyncrl.rollout.servers import MARK, RECORD, stop_stale
 
 
 def test_a_fresh_request_is_one_job_and_continued_samples_one_each():
@@ -170,7 +172,7 @@ def test_a_killed_launchs_servers_are_stopped_at_the_next_and_nothing_else(tmp_p
                 time.sleep(0.05)
         members = _children(server.pid)
         assert len(members) == 3
-        started = [_start_time(server.pid), _start_time(other.pid)]
+        started = [start_time(server.pid), start_time(other.pid)]
         assert all(started)
         rows = [{"index": 0, "pid": server.pid, "started": started[0], "url": "x"},
                 {"index": 1, "pid": other.pid, "started": started[1] + 1, "url": "y"}]  # fmt: skip

@@ -11,7 +11,7 @@ from attached import batch
 from fake_vllm import FakeVLLM
 
 from asyncrl.config import ConfigError
-from asyncrl.rollout import server_leases, vllm_server
+from asyncrl.rollout import server_leases, server_weights
 from asyncrl.rollout.server_leases import (
     RELEASED,
     holder,
@@ -133,7 +133,7 @@ def test_a_load_cut_short_leaves_no_version_on_the_server(fakes, attach_to, monk
             raise ServerError("cut short")
         real(server, text, timeout)
 
-    monkeypatch.setattr(vllm_server, "write_tag", fail_after_reload)
+    monkeypatch.setattr(server_weights, "write_tag", fail_after_reload)
     with pytest.raises(ServerError, match="cut short"):
         engine.generate(batch())
     assert parse_tag(fakes[0].weight_version) == ("run-a", engine.launch_id, None)

@@ -31,7 +31,7 @@ from asyncrl.cli.audit import audit_run_dir
 from asyncrl.config import ModelConfig
 from asyncrl.models.logprobs import completion_logprobs
 from asyncrl.models.policy import load_policy
-from asyncrl.rollout import vllm_server
+from asyncrl.rollout import server_stream, vllm_server
 from asyncrl.rollout.engine import EngineSpec, GenerationRequest
 from asyncrl.rollout.jobs import continue_job
 from asyncrl.rollout.server_auth import SECRET_ENV
@@ -204,7 +204,7 @@ def test_the_oracles_catch_a_failover_that_asks_again_or_ignores_what_arrived(
         if reached:
             raise httpx.ReadError("the stream broke (test)")
 
-    monkeypatch.setattr(vllm_server, "server_fault_point", read_error)
+    monkeypatch.setattr(server_stream, "server_fault_point", read_error)
     batch = requests(policy, count=12, samples=8, seed=300)
     before = engine.metrics()
     outputs = engine.generate(batch)

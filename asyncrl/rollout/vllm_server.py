@@ -7,9 +7,9 @@ servers asyncrl launches (`rollout.servers.launch`) or servers you run (`rollout
                safetensors file under the run dir), /update_weight_version v, /resume
 
 Each batch's jobs are spread over the live servers, least loaded first, all in flight at once
-(each server batches its own). Every token of a stream is kept as it arrives: a server that
-dies mid-stream (the connection drops, or nothing arrives and `/health` does not answer for
-`rollout.servers.health_timeout_s`) hands its jobs on from their last received token
+(each server batches its own). Every token of a stream is kept as it arrives (`server_stream`):
+a server that dies mid-stream (the connection drops, or nothing arrives and `/health` does not
+answer for `rollout.servers.health_timeout_s`) hands its jobs on from their last received token
 (`jobs.continue_job`: the same prefix and seeding rule as a partial generation's), to another
 server or to its own restart; no token that arrived is asked for again. A launched server that
 died is restarted (`rollout.servers.max_restarts`); before it serves, it loads the batch's
@@ -19,10 +19,11 @@ Weights: each server holds one version, and says which (`server_leases`: the run
 and the version, in vLLM's weight-version string). Before a batch's first request to a server,
 that string is read back from the server, never assumed: a server restarted by its supervisor
 (its initial weights), reloaded by someone else, or attached anew holds no version of this
-launch and is loaded before it samples; a server another run holds fails the batch (one server
-serves one run). An attached server found dead is asked for `/health` at each batch's start
-and used again once it answers. Requests a killed launch of this run left running on an
-attached server are aborted at attach; another's are not.
+launch and is loaded before it samples (`server_weights`); a server another run holds fails the
+batch (one server serves one run). An attached server found dead is asked for `/health` at each
+batch's start and used again once it answers. Requests a killed launch of this run left running
+on an attached server are aborted at attach (`server_attach` checks it can serve this run
+first); another's are not.
 
 Launched servers require a secret of this launch on every route (`server_auth`), listen on
 127.0.0.1, and end with the launch however it ends (`lifeline`), as does the model's scratch
@@ -44,34 +45,25 @@ from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from pathlib import Path
 from typing import Any, ClassVar
 
-import httpx
-
-from asyncrl.faults import fault_point, server_fault_point
-from asyncrl.models.lora import is_lora, split_generation_weights
+from asyncrl.faults import fault_point
+from asyncrl.models.lora import is_lora
 from asyncrl.rollout.engine import (
     EngineCapabilities,
     EngineSpec,
     GenerationOutput,
     GenerationRequest,
 )
-from asyncrl.rollout.jobs import (
-    Job,
-    Piece,
-    assemble_output,
-    continue_job,
-    merge_pieces,
-    plan_jobs,
-    sample_ended,
-)
+from asyncrl.rollout.jobs import Job, Piece, assemble_output, continue_job, merge_pieces, plan_jobs
 from asyncrl.rollout.lifeline import Lifeline
+from asyncrl.rollout.server_attach import attach
 from asyncrl.rollout.server_auth import SECRET_ENV
-from asyncrl.rollout.server_leases import claim, make_tag, read_back, release, write_tag
+from asyncrl.rollout.server_leases import claim, release
+from asyncrl.rollout.server_stream import BREAKS, StreamBroken, completion_body, read_stream
+from asyncrl.rollout.server_weights import ServerWeights
 from asyncrl.rollout.servers import (
     SERVERS_DIR,
     Server,
-    ServerDown,
     ServerError,
-    attach,
     launch,
     log_tail,
     stop,
@@ -79,26 +71,8 @@ from asyncrl.rollout.servers import (
     wait_healthy,
     write_record,
 )
-from asyncrl.rollout.vllm_engine import (
-    LoraAdapters,
-    VLLMGenerationEngine,
-    write_model_dir,
-    write_reload_file,
-)
+from asyncrl.rollout.vllm_engine import LoraAdapters, VLLMGenerationEngine, write_model_dir
 from asyncrl.rollout.weight_sync import WeightSource, weights_to_load
-
-
-class ProtocolError(RuntimeError):
-    """A server answered against asyncrl's contract (a stop token not ours): not retried."""
-
-
-class StreamBroken(Exception):
-    """A job's stream stopped before its end; `received` holds what arrived."""
-
-    def __init__(self, received: dict[int, Piece], cause: BaseException) -> None:
-        super().__init__(repr(cause))
-        self.received = received
-        self.cause = cause
 
 
 class VLLMServerEngine:
@@ -155,8 +129,7 @@ class VLLMServerEngine:
         self._lora = LoraAdapters(spec.model, self._dir) if is_lora(spec.model) else None
         if self._lora is not None:
             self.vllm["max_lora_rank"] = self._lora.max_rank
-        self._base_file = False
-        self._file_version: int | None = None
+        self._weights = ServerWeights(self._reload_dir, self._lora, self.run_id, self.launch_id)
         self._restarts: list[threading.Thread] = []
         self._restart_error: BaseException | None = None
         self._closing = False
@@ -266,80 +239,17 @@ class VLLMServerEngine:
     # -- weights ------------------------------------------------------------------------------
 
     def _load_on(self, server: Server, version: int, batch: int) -> None:
-        """Makes `server` hold weights version `version`: at batch `batch`'s first job on it,
-        the version it holds is read back from it (`server_leases.read_back`: ServerError
-        where another run holds it), and where it is not `version` it is loaded through
-        vLLM's RL routes."""
-        with server.lock:  # the server's first job of a batch loads; the others wait for it
-            if not server.alive:
-                raise ServerDown(f"{server.name()} is down")
-            if server.checked != batch:
-                server.version = read_back(server, self.run_id, self.launch_id, self.health_timeout)
-                if server.version is None and not server.launched:
-                    server.base = False  # restarted, perhaps: a LoRA run's base loads again
-                server.checked = batch
-            if server.version != version:
-                self._load_locked(server, version)
-
-    def _load_locked(self, server: Server, version: int) -> None:
-        assert self._file_version == version  # written by this batch's `generate`
-        started = time.perf_counter()
-        previous, server.version = server.version, None  # a load that fails halfway: none
-        if self._lora is None:
-            self._reload(server, version)
-        else:
-            if not server.base:  # attached: the base is loaded once
-                self._reload(server, version)
-                server.base = True
-            write_tag(server, self._tag(None))  # changing: no version until it is done
-            # in place: a name a killed trainer (or a load cut short) left is replaced
-            load = {"lora_name": f"v{version}", "lora_path": self._lora.path(version),
-                    "load_inplace": True}  # fmt: skip
-            server.post("/v1/load_lora_adapter", load, timeout=max(self.health_timeout, 600.0))
-            if previous is not None:  # in-flight requests of it: none (a batch loads first)
-                try:
-                    server.post("/v1/unload_lora_adapter", {"lora_name": f"v{previous}"})
-                except ServerDown:
-                    raise
-                except ServerError:  # not there (a restart): nothing to unload
-                    pass
-            write_tag(server, self._tag(version))
-        server.version = version
-        with self._lock:
-            self._counters["server_pause_s"] += time.perf_counter() - started
-
-    def _reload(self, server: Server, version: int) -> None:
-        """The reload file's weights into `server` (a LoRA run's: its base): pause (in-flight
-        requests kept), reload, tag the version, resume."""
-        quick = self.health_timeout  # a hung server is found as a hung stream is
-        server.post("/pause", timeout=quick, mode="keep")
-        try:
-            write_tag(server, self._tag(None), timeout=quick)  # a load cut short: no version
-            server.post(
-                "/collective_rpc",
-                {"method": "reload_weights", "kwargs": {"weights_path": self._reload_dir}},
-                timeout=max(quick, 600.0),
-            )
-            write_tag(server, self._tag(version), timeout=quick)
-        finally:
-            server.post("/resume", timeout=quick)  # never left paused
-
-    def _tag(self, version: int | None) -> str:
-        return make_tag(self.run_id, self.launch_id, version)
+        """Makes `server` hold weights version `version`, read back at batch `batch`'s first
+        job on it (`ServerWeights.load_on`)."""
+        loading_s = self._weights.load_on(server, version, batch, self.health_timeout)
+        if loading_s:
+            with self._lock:
+                self._counters["server_pause_s"] += loading_s
 
     def _write_version(self, version: int, state: dict[str, Any]) -> None:
-        """Version `version` as the servers read it: the reload file, or for a LoRA run its
-        adapters' folder (and the base's reload file once, for attached servers)."""
+        """Version `version` as the servers read it (`ServerWeights.write`)."""
         started = time.perf_counter()
-        if self._lora is None:
-            write_reload_file(state, self._reload_dir)
-        else:
-            base, adapters = split_generation_weights(state)
-            if not self._base_file and not all(s.base for s in self.servers):
-                write_reload_file(base, self._reload_dir)  # frozen: the same in every version
-                self._base_file = True
-            self._lora.write(version, adapters)
-        self._file_version = version
+        self._weights.write(version, state, self.servers)
         self._counters["engine_weight_updates"] += 1
         self._counters["engine_weight_update_s"] += time.perf_counter() - started
 
@@ -354,7 +264,7 @@ class VLLMServerEngine:
         """Samples every request with one weights version, its jobs spread over the servers."""
         with self._lock:  # the version and its tensors taken at once: a later publish may
             # drop it from the sync before a server loads it (each loads from this file)
-            version, state = weights_to_load(self.weights, version, self._file_version)
+            version, state = weights_to_load(self.weights, version, self._weights.file_version)
             if state is not None:
                 self._write_version(version, state)
             self._batch += 1
@@ -492,88 +402,25 @@ class VLLMServerEngine:
             self._restarts[0].join(0.2)
 
     def _run_job(self, server: Server, job: Job, version: int, batch: int) -> dict[int, Piece]:
-        """One job as one streamed completion on `server`: per sample, the tokens, their
-        log-probs and whether it ended. StreamBroken (with what arrived) if the stream stops
-        before its end."""
+        """One job as one streamed completion on `server` once it holds `version`
+        (`server_stream`): per sample, the tokens, their log-probs and whether it ended.
+        StreamBroken (with what arrived) if the load or the stream breaks before its end."""
         received: dict[int, Piece] = {}
         try:
             self._load_on(server, version, batch)
-            body = {
-                "model": server.model if self._lora is None else f"v{version}",
-                "prompt": job.prompt,
-                "n": job.n,
-                "seed": job.seed % (1 << 63),
-                "max_tokens": job.max_tokens,
-                "temperature": self.temperature,
-                "logprobs": 0,
-                "stream": True,
-                "return_token_ids": True,
-                "return_tokens_as_token_ids": True,
-                "stop_token_ids": [self.eos_id],
-                "ignore_eos": False,
-            }
-            # the reply's headers within the health timeout (vLLM sends them at once, even
-            # for a queued request); then no read timeout: a busy server's stream may be
-            # silent while requests ahead of it in its queue run, and a hung one is found by
-            # `_watch` (its /health), which cuts it
-            timeout = httpx.Timeout(self.health_timeout, connect=10.0)
-            with (
-                server.client.stream(
-                    "POST", server.url + "/v1/completions", json=body, timeout=timeout
-                ) as reply,
-                server.watching(reply),
-            ):
-                reply.request.extensions["timeout"]["read"] = None  # httpcore reads it here
-                if reply.status_code != 200:  # a request it refuses: not retried
-                    raise ServerError(
-                        f"{server.name()}: /v1/completions: {reply.status_code} "
-                        f"{reply.read().decode(errors='replace')[:500]}"
-                    )
-                ended: set[int] = set()
-                for line in reply.iter_lines():
-                    if not line.startswith("data: ") or line == "data: [DONE]":
-                        continue
-                    chunk = json.loads(line[6:])
-                    if "error" in chunk:  # vLLM's engine failed mid-stream
-                        raise ServerDown(f"{server.name()}: {chunk['error']}")
-                    for choice in chunk["choices"]:
-                        sample = job.samples[choice["index"]]
-                        ids = [int(t) for t in choice.get("token_ids") or []]
-                        lps = [float(x) for x in (choice.get("logprobs") or {}).get(
-                            "token_logprobs") or []]  # fmt: skip
-                        if len(ids) != len(lps):
-                            raise ServerError(
-                                f"{server.name()}: {len(ids)} token ids but {len(lps)} "
-                                "log-probs in one chunk"
-                            )
-                        have, have_lps, _ = received.get(sample, ([], [], False))
-                        have, have_lps = have + ids, have_lps + lps
-                        reason = choice.get("finish_reason")
-                        if reason == "stop" and not (have and have[-1] == self.eos_id):
-                            raise ProtocolError(
-                                f"{server.name()} stopped a sample on token {have[-1:]}, not "
-                                f"on eos {self.eos_id}: its stop tokens are not asyncrl's"
-                            )
-                        done = reason not in (None, "abort") and sample_ended(
-                            have, len(job.prefix), self.eos_id, job.end
-                        )
-                        received[sample] = (have, have_lps, done)  # before an abort's raise
-                        with self._lock:
-                            self._counters["server_tokens_received"] += len(ids)
-                        if reason == "abort":  # aborted elsewhere (another client)
-                            raise ServerDown(f"{server.name()} aborted a request")
-                        if reason is not None:
-                            ended.add(sample)
-                        for _ in ids:
-                            server_fault_point(
-                                "server.tokens_received", server.signal, server=server.index,
-                                version=version,
-                            )  # fmt: skip
-                if len(ended) < job.n:
-                    raise ServerDown(f"{server.name()}: the stream ended before its samples")
-        except (httpx.TransportError, ServerDown, OSError) as err:
+            model = server.model if self._lora is None else f"v{version}"
+            body = completion_body(job, model, self.temperature, self.eos_id)
+            read_stream(
+                server, job, body, received, self.eos_id, self.health_timeout, version,
+                self._count_received,
+            )  # fmt: skip
+        except BREAKS as err:
             raise StreamBroken(received, err) from err
         return received
+
+    def _count_received(self, tokens: int) -> None:
+        with self._lock:
+            self._counters["server_tokens_received"] += tokens
 
 
 def run_id_of(run_dir: Path) -> str:
