@@ -1,12 +1,14 @@
 """A launch ends its launched servers and its scratch copy of the model however it ends (issue 63,
 defect 5): exit 130 by `os._exit` (the same signal twice), an interpreter exit that never
-called `shutdown`, a SIGKILL of the trainer alone. And what a kill of everything leaves, the
-next launch ends, by what was recorded: a group only while it is still the recorded one (a
-pid is reused), also when its leader died and its members live."""
+called `shutdown`, a SIGKILL of the trainer alone; so does vLLM in process
+(`rollout.engine=vllm`) its copy. And what a kill of everything leaves, the next launch ends,
+by what was recorded: a group only while it is still the recorded one (a pid is reused), also
+when its leader died and its members live."""
 
 from __future__ import annotations
 
 import contextlib
+import gc
 import json
 import os
 import signal
@@ -182,3 +184,80 @@ def test_a_launch_that_ends_at_once_leaves_no_server_process_and_no_scratch_copy
         assert process_gone(up["guard"], 60)
     assert all(process_gone(pid, 10) for pid in pids), pids
     assert not Path(up["scratch"]).exists()
+
+
+# -- vLLM in process: its scratch copy, with no server to end ------------------------------------
+
+ENGINE_CHILD = """
+import json, os, sys
+sys.path.insert(0, {tests!r})
+from helpers import DIGITS
+from asyncrl.config import ModelConfig
+from asyncrl.models.policy import load_policy
+from asyncrl.rollout import vllm_engine
+from asyncrl.rollout.engine import EngineSpec
+from asyncrl.rollout.weight_sync import CopyWeightSync
+
+vllm_engine._start_llm = lambda path, spec, options: None  # the copy's code path, not vLLM's
+policy = load_policy(ModelConfig(), seed=0, alphabet=DIGITS)
+spec = EngineSpec(policy.model, policy.eos_id, policy.pad_id, 4, 1.0, scratch_dir={scratch!r})
+engine = vllm_engine.VLLMGenerationEngine(spec, CopyWeightSync(max_versions=2))
+guard = getattr(engine, "_lifeline", None)
+up = {{"guard": guard.process.pid if guard else 0, "copy": engine._dir}}
+print("UP", json.dumps(up), flush=True)
+sys.stdin.read()
+os._exit(130)  # the same signal twice (train/signals.py)
+"""
+
+
+@pytest.mark.parametrize("end", ["os._exit(130)", "SIGKILL"])
+def test_an_in_process_vllm_engine_that_ends_at_once_leaves_no_scratch_copy(tmp_path, end):
+    """`rollout.engine=vllm`'s copy of the model (its config, under `RUN_DIR/.scratch/`), made
+    by the engine's own start-up (vLLM itself stubbed out), is gone once the process that made
+    it ends by `os._exit` or SIGKILL, neither of which runs a finalizer: its lifeline removes
+    it, not the next launch."""
+    code = ENGINE_CHILD.format(tests=str(TESTS), scratch=str(tmp_path / ".scratch"))
+    child = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE,
+                             stdout=subprocess.PIPE, text=True)  # fmt: skip
+    assert child.stdout is not None and child.stdin is not None
+    lines = [child.stdout.readline()]
+    while lines[-1] and not lines[-1].startswith("UP "):
+        lines.append(child.stdout.readline())
+    assert lines[-1], "".join(lines)
+    up = json.loads(lines[-1][3:])
+    copy = Path(up["copy"])
+    assert (copy / "config.json").exists() and copy.parent == tmp_path / ".scratch"
+    if end == "SIGKILL":
+        child.kill()
+    else:
+        child.stdin.close()
+    child.wait(60)
+    if up["guard"]:  # the state to look at: the lifeline's guard has done its work
+        assert process_gone(up["guard"], 60)
+    assert not copy.exists()
+
+
+def test_a_collected_in_process_vllm_engine_removes_its_copy_and_ends_its_guard(
+    tmp_path, monkeypatch
+):
+    """An engine dropped in a process that lives on (a test, a rebuilt engine) leaves neither
+    its copy nor a guard process behind."""
+    from helpers import DIGITS
+
+    from asyncrl.config import ModelConfig
+    from asyncrl.models.policy import load_policy
+    from asyncrl.rollout import vllm_engine
+    from asyncrl.rollout.engine import EngineSpec
+    from asyncrl.rollout.weight_sync import CopyWeightSync
+
+    monkeypatch.setattr(vllm_engine, "_start_llm", lambda path, spec, options: None)
+    policy = load_policy(ModelConfig(), seed=0, alphabet=DIGITS)
+    spec = EngineSpec(policy.model, policy.eos_id, policy.pad_id, 4, 1.0,
+                      scratch_dir=str(tmp_path / ".scratch"))  # fmt: skip
+    engine = vllm_engine.VLLMGenerationEngine(spec, CopyWeightSync(max_versions=2))
+    copy, guard = Path(engine._dir), engine._lifeline.process
+    assert copy.exists() and guard.poll() is None
+    del engine
+    gc.collect()
+    assert guard.poll() is not None  # ended, and waited for
+    assert not copy.exists()

@@ -115,8 +115,9 @@ class EngineSpec:
     """The engine's own settings (`rollout.vllm.*` for `rollout.engine=vllm`)."""
     scratch_dir: str = ""
     """Where an engine may write files of its own (vLLM's copy of the model): the run dir's
-    `.scratch/`, emptied under the run dir's lock at the next launch, so a SIGKILLed run leaks
-    nothing; "" is the system's temporary directory."""
+    `.scratch/`. The vLLM engines' lifelines remove their copies however the process ends
+    (SIGKILL too); what a kill of the lifeline too leaves is emptied under the run dir's lock
+    at the next launch. "" is the system's temporary directory."""
 
 
 class GenerationEngine(Protocol):

@@ -29,6 +29,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 from collections.abc import Iterable, Mapping
 from pathlib import Path
@@ -175,6 +176,16 @@ class Lifeline:
             pipe.close()
         with contextlib.suppress(subprocess.TimeoutExpired):
             self.process.wait(timeout_s)
+
+
+def watched_dir(lifeline: Lifeline, parent: str = "", prefix: str = "asyncrl-") -> str:
+    """A fresh folder under `parent` (made where missing; "": the system's temporary
+    directory) that `lifeline` removes when this process ends."""
+    if parent:
+        os.makedirs(parent, exist_ok=True)
+    path = tempfile.mkdtemp(prefix=prefix, dir=parent or None)
+    lifeline.watch_path(path)
+    return path
 
 
 # -- the guard ----------------------------------------------------------------------------------

@@ -35,7 +35,6 @@ import logging
 import os
 import random
 import shutil
-import tempfile
 import threading
 import time
 import weakref
@@ -58,6 +57,7 @@ from asyncrl.rollout.engine import (
     GenerationRequest,
 )
 from asyncrl.rollout.jobs import Piece, assemble_output, plan_jobs, sample_ended
+from asyncrl.rollout.lifeline import Lifeline, watched_dir
 from asyncrl.rollout.weight_sync import WeightSource, weights_to_load
 
 _INIT_LOCK = threading.Lock()
@@ -65,8 +65,9 @@ _INIT_LOCK = threading.Lock()
 
 
 class VLLMGenerationEngine:
-    """`vllm.LLM` over a copy of the model saved to a private directory at start-up; the
-    published weights replace it in place at the first batch."""
+    """`vllm.LLM` over a copy of the model saved to a private directory at start-up (removed
+    however the process ends: `lifeline`); the published weights replace it in place at the
+    first batch."""
 
     capabilities: ClassVar[EngineCapabilities] = EngineCapabilities(
         pinned_versions=True,
@@ -96,10 +97,11 @@ class VLLMGenerationEngine:
             "engine_start_s": 0.0,
         }
         started = time.perf_counter()
-        if spec.scratch_dir:
-            os.makedirs(spec.scratch_dir, exist_ok=True)
-        self._dir = tempfile.mkdtemp(prefix="asyncrl-vllm-", dir=spec.scratch_dir or None)
-        weakref.finalize(self, shutil.rmtree, self._dir, ignore_errors=True)
+        # the model's copy, removed however this process ends: by the lifeline's guard once
+        # it is gone (also by os._exit or SIGKILL), or when the engine is collected
+        self._lifeline = Lifeline()
+        self._dir = watched_dir(self._lifeline, spec.scratch_dir, "asyncrl-vllm-")
+        weakref.finalize(self, _remove_copy, self._dir, self._lifeline)
         self._in_process = not options.get("multiprocessing")
         # in process the architecture only: vLLM starts on dummy weights, and the first
         # `generate` loads the version it asks for (no copy of the model on disk); vLLM's
@@ -204,6 +206,12 @@ class VLLMGenerationEngine:
             ignore_eos=False,
             detokenize=False,
         )
+
+
+def _remove_copy(directory: str, lifeline: Lifeline) -> None:
+    """An engine collected (or the interpreter exiting): its copy removed, its guard ended."""
+    shutil.rmtree(directory, ignore_errors=True)
+    lifeline.close()
 
 
 def write_model_dir(spec: EngineSpec, directory: str, with_weights: bool) -> str:

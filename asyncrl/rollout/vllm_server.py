@@ -54,7 +54,7 @@ from asyncrl.rollout.engine import (
     GenerationRequest,
 )
 from asyncrl.rollout.jobs import Job, Piece, assemble_output, continue_job, merge_pieces, plan_jobs
-from asyncrl.rollout.lifeline import Lifeline
+from asyncrl.rollout.lifeline import Lifeline, watched_dir
 from asyncrl.rollout.server_attach import attach
 from asyncrl.rollout.server_auth import SECRET_ENV
 from asyncrl.rollout.server_leases import claim, release
@@ -115,14 +115,10 @@ class VLLMServerEngine:
         self.launch_id = secrets.token_hex(4)  # a relaunch's version 7 is not this one's
         self._secret = secrets.token_urlsafe(32)  # launched servers' (never on a command line)
         self._batch = 0
-        scratch = spec.scratch_dir or None
-        if scratch:
-            os.makedirs(scratch, exist_ok=True)
-        self._dir = tempfile.mkdtemp(prefix="asyncrl-vllm-server-", dir=scratch)
-        weakref.finalize(self, shutil.rmtree, self._dir, ignore_errors=True)
         # ends the servers and this copy however this process ends (os._exit and SIGKILL too)
         self._lifeline = Lifeline(self.directory / "lifeline.log")
-        self._lifeline.watch_path(self._dir)
+        self._dir = watched_dir(self._lifeline, spec.scratch_dir, "asyncrl-vllm-server-")
+        weakref.finalize(self, shutil.rmtree, self._dir, ignore_errors=True)
         self._reload_dir = os.path.join(self._dir, "reload")
         # a LoRA run (`rollout.vllm.lora_requests`): the base once, each version's adapters
         # through /v1/load_lora_adapter, its requests addressed to them (`v{version}`)
