@@ -210,6 +210,7 @@ os._exit(130)  # the same signal twice (train/signals.py)
 """
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("end", ["os._exit(130)", "SIGKILL"])
 def test_an_in_process_vllm_engine_that_ends_at_once_leaves_no_scratch_copy(tmp_path, end):
     """`rollout.engine=vllm`'s copy of the model (its config, under `RUN_DIR/.scratch/`), made
@@ -237,6 +238,7 @@ def test_an_in_process_vllm_engine_that_ends_at_once_leaves_no_scratch_copy(tmp_
     assert not copy.exists()
 
 
+@pytest.mark.slow
 def test_a_collected_in_process_vllm_engine_removes_its_copy_and_ends_its_guard(
     tmp_path, monkeypatch
 ):
