@@ -355,7 +355,7 @@ def test_every_request_is_durable_before_any_environment_acts(policy, tmp_path, 
     """Defect 8: the steps log was flushed, not fsynced, while a tool's journal is: after a
     host crash the journal could be ahead of the log. Each fsync of the log is recorded (the
     bytes durable at that moment); the environment, when asked, checks that its request is
-    among them. One fsync covers a pass's requests (a group commit)."""
+    among them. One fsync covers a pass's requests, of all its groups (a group commit)."""
     log = tmp_path / "env_steps.jsonl"
     durable = {"bytes": 0, "syncs": 0}
     real_fsync = os.fsync
@@ -382,4 +382,4 @@ def test_every_request_is_durable_before_any_environment_acts(policy, tmp_path, 
     partial = partial.extend(both, both == both, torch.zeros(2, 2), 0, torch.tensor([True, True]))
     run.advance(TICKET, partial)
     assert [sid for sid, _ in Tally.asked] == ["0:0:0", "0:1:0"]
-    assert durable["syncs"] == 2  # the two requests at once, then the two results
+    assert durable["syncs"] == 1  # the two requests at once (the results: the next pass's)

@@ -127,6 +127,10 @@ class RNGState:
 # --- the tree codec: nested dicts/lists/tuples of tensors and JSON values <-> JSON + tensors
 
 
+_SCALARS = (str, int, float, bool, type(None))
+"""The exact types a JSON tree holds as they are (a subclass takes the checks below)."""
+
+
 def _flatten(
     value: Any, path: str, tensors: dict[str, torch.Tensor], seen: dict[tuple[Any, ...], str]
 ) -> Any:
@@ -154,6 +158,8 @@ def _flatten(
     if isinstance(value, tuple):
         return {"__tuple__": _flatten(list(value), path, tensors, seen)}
     if isinstance(value, list):
+        if all(type(v) in _SCALARS for v in value):  # the common case, at C speed
+            return list(value)
         return [_flatten(v, _join(path, str(i)), tensors, seen) for i, v in enumerate(value)]
     if value is None or isinstance(value, (bool, int, float, str)):
         return value

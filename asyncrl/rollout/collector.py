@@ -475,8 +475,9 @@ class Collector:
             )
             starts.append(before.lengths)
             counts.append([int(n) for n in out.completion_mask.sum(dim=1)])
-            if self.episodes is not None:  # ended turns: the environments' steps and replies
-                partials[t.ordinal] = self.episodes.advance(t, partials[t.ordinal])
+        if self.episodes is not None:  # ended turns: the environments' steps and replies
+            stepped = self.episodes.advance_all([(t, partials[t.ordinal]) for t in tickets])
+            partials.update({t.ordinal: p for t, p in zip(tickets, stepped, strict=True)})
         # scoring is the collector's work, counted in the chunk's seconds; the finished groups
         # of a chunk are scored together (in parallel when rewards have worker processes)
         done = [t for t in tickets if partials[t.ordinal].done]

@@ -7,7 +7,6 @@ is answered from the log whatever its state holds, its tensors bit for bit.
 from __future__ import annotations
 
 import base64
-import copy
 import json
 from typing import Any
 
@@ -21,24 +20,22 @@ STATE_PART = "env_state"
 """The name a state is flattened under (its tensors' prefix)."""
 
 
-def checked_state(state: Any) -> Any:
-    """A copy of `state` (the environment may change its own objects at later steps) once
-    checked that a checkpoint can hold it: a `TypeError`, `ValueError` or `RecursionError`
-    where it cannot."""
-    json.dumps(flatten_part(STATE_PART, state, {}))
-    return copy.deepcopy(state)
-
-
-def encode_state(state: Any) -> dict[str, Any]:
-    """The state as a result record holds it: `state`, the JSON tree the checkpoint's codec
-    makes of it (`flatten_part`: each tensor a `{"__tensor__": NAME}` reference), and where it
-    has tensors, `state_tensors`, their safetensors file as base64. A JSON state is itself."""
+def encode_state(state: Any) -> tuple[Any, dict[str, Any]]:
+    """The state as a result record holds it, and a copy of it the environment no longer
+    touches (it may change its own objects at later steps; the copy is what the episode and
+    its checkpoint keep). The record: `state`, the JSON tree the checkpoint's codec makes of
+    it (`flatten_part`: each tensor a `{"__tensor__": NAME}` reference), and where it has
+    tensors, `state_tensors`, their safetensors file as base64; a JSON state is itself. What
+    a checkpoint cannot hold raises `TypeError`, `ValueError` or `RecursionError` now."""
     tensors: dict[str, torch.Tensor] = {}
     tree = flatten_part(STATE_PART, state, tensors)
-    if not tensors:
-        return {"state": tree}
+    json.dumps(tree)  # checked here, so the error names the step
     owned = {k: v.detach().to("cpu").contiguous().clone() for k, v in tensors.items()}
-    return {"state": tree, "state_tensors": base64.b64encode(save_tensors(owned)).decode()}
+    copy = unflatten(tree, owned)  # new containers throughout, the tensors cloned
+    if not tensors:
+        return copy, {"state": tree}
+    packed = base64.b64encode(save_tensors(owned)).decode()
+    return copy, {"state": tree, "state_tensors": packed}
 
 
 def decode_state(record: dict[str, Any]) -> Any:

@@ -11,6 +11,7 @@ kind says.
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Sequence
 from dataclasses import replace
 from pathlib import Path
@@ -27,7 +28,7 @@ from asyncrl.core.seeds import derived_seed
 from asyncrl.core.types import PromptTicket
 from asyncrl.faults import fault_point
 from asyncrl.rollout.chat_tokens import ChatTokens
-from asyncrl.rollout.env_state import checked_state, decode_state, encode_state
+from asyncrl.rollout.env_state import decode_state, encode_state
 from asyncrl.rollout.scorer import Scored
 from asyncrl.rollout.steps_log import StepsLog
 from asyncrl.tasks.environments import Environment
@@ -180,25 +181,35 @@ class EpisodeRunner:
         return self.advance(ticket, partial)
 
     def advance(self, ticket: PromptTicket, partial: Partial) -> Partial:
-        """Every sample whose assistant turn just ended gets its environment's step: the
-        reply appended and the next turn opened, or its episode ended. An ended episode (the
-        environment's done or a limit) is finished and never stepped again, however many
-        passes its siblings still take.
+        """`advance_all` for one group."""
+        return self.advance_all([(ticket, partial)])[0]
 
-        A group commit: every step's request is written to the steps log and made durable
-        (one fsync) before any environment is asked; the results follow, made durable
-        together after the last (a step answered from the log is asked nothing)."""
-        assert partial.episodes is not None
-        due = [
-            self._due(ticket, partial, i, episode)
-            for i, episode in enumerate(partial.episodes)
-            if bool(partial.finished[i]) and not episode.ended
-        ]
+    def advance_all(self, groups: list[tuple[PromptTicket, Partial]]) -> list[Partial]:
+        """Every sample of these groups (an engine pass's) whose assistant turn just ended gets
+        its environment's step: the reply appended and the next turn opened, or its episode
+        ended. An ended episode (the environment's done or a limit) is finished and never
+        stepped again, however many passes its siblings still take.
+
+        A group commit: every step's request is written to the steps log and made durable by
+        one fsync before any environment is asked (a step answered from the log is asked
+        nothing). The results follow, flushed; the next pass's fsync makes them durable (a
+        result lost to a host crash only means its step is asked again, with its id and text,
+        as the one in flight at a kill is)."""
+        due = []
+        for ticket, partial in groups:
+            assert partial.episodes is not None
+            due.append([
+                self._due(ticket, partial, i, episode)
+                for i, episode in enumerate(partial.episodes)
+                if bool(partial.finished[i]) and not episode.ended
+            ])  # fmt: skip
         self.log.sync()  # the requests are durable before any environment acts
-        for step in due:
-            partial = self._step(ticket, partial, step)
-        self.log.sync()
-        return partial
+        out = []
+        for (ticket, partial), steps in zip(groups, due, strict=True):
+            for step in steps:
+                partial = self._step(ticket, partial, step)
+            out.append(partial)
+        return out
 
     def scores(self, partial: Partial) -> Scored:
         """A finished group's rewards: each episode's."""
@@ -254,8 +265,10 @@ class EpisodeRunner:
             raise EpisodeError(f"env.name={self.env_name}: step {sid} raised {err!r}") from err
         fault_point("episode.env_answered")  # asked, its result not yet logged
         _check_messages(messages, f"env.name={self.env_name}: step {sid}")
-        restorable = self.env_class.restore == "restorable"
-        state = self._state(due.env, sid) if restorable else None
+        state: Any = None
+        record: dict[str, Any] = {}
+        if self.env_class.restore == "restorable":
+            state, record = self._state(due.env, sid)
         result: dict[str, Any] = {
             "kind": "result",
             "step_id": sid,
@@ -263,7 +276,7 @@ class EpisodeRunner:
             "messages": [dict(m) for m in messages],
             "reward": None if reward is None else float(reward),
             "done": bool(done),
-            **(encode_state(state) if restorable else {}),
+            **record,
         }
         self.log.append(result)
         fault_point("episode.env_step")
@@ -325,7 +338,8 @@ class EpisodeRunner:
             return
         where = f"ordinal {ticket.ordinal} sample {i} after step {_last_step(episode)}"
         if self.env_class.restore == "restorable":
-            self._call(env.load_state_dict, "load_state_dict", where, episode.env_state)
+            state = copy.deepcopy(episode.env_state)  # the episode's is the checkpoint's
+            self._call(env.load_state_dict, "load_state_dict", where, state)
         elif self.env_class.restore == "replay":
             self._call(env.replay, "replay", where, list(episode.turns))
 
@@ -372,14 +386,15 @@ class EpisodeRunner:
                 f"env.name={self.env_name}: {name}() for {where} raised {err!r}"
             ) from err
 
-    def _state(self, env: Any, sid: str) -> Any:
-        """A `restorable` environment's state after step `sid`: copied now (the environment
+    def _state(self, env: Any, sid: str) -> tuple[Any, dict[str, Any]]:
+        """A `restorable` environment's state after step `sid`, copied now (the environment
         may change its own objects at later steps, and the checkpoint holds the state of this
-        one) and checked now that a checkpoint can hold it (JSON values and tensors), so a
-        failure names this step, not a checkpoint steps later."""
+        one), and its result record's fields (`encode_state`); checked now that a checkpoint
+        can hold it (JSON values and tensors), so a failure names this step, not a checkpoint
+        steps later."""
         state = self._call(env.state_dict, "state_dict", f"step {sid}")
         try:
-            return checked_state(state)
+            return encode_state(state)
         except (TypeError, ValueError, RecursionError) as err:
             raise EpisodeError(
                 f"env.name={self.env_name}: state_dict() after step {sid} returned what a "
