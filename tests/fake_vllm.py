@@ -35,6 +35,9 @@ class FakeVLLM:
         self.reloads = 0
         self.aborts = 0
         self.completions = 0
+        self.restart_in_stream = False
+        """Set: the next completion's stream ends at once, the server restarted under it (its
+        string "default" again, its initial weights), answering `/health` as before."""
         self.lock = threading.Lock()
         self.httpd = ThreadingHTTPServer(("127.0.0.1", port), self._handler())
         self.httpd.daemon_threads = True
@@ -120,6 +123,13 @@ class FakeVLLM:
                 self.send_response(200)
                 self.send_header("Content-Type", "text/event-stream")
                 self.end_headers()
+                with fake.lock:
+                    restart, fake.restart_in_stream = fake.restart_in_stream, False
+                    if restart:
+                        fake.weight_version = "default"
+                        fake.calls.append(("RESTART", ""))
+                if restart:
+                    return  # the connection closes: the stream broke
                 stop = int(body["stop_token_ids"][0])
                 ids = [3, stop][: int(body["max_tokens"])]
                 reason = "stop" if ids[-1] == stop else "length"

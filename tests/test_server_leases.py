@@ -72,6 +72,26 @@ def test_a_server_restarted_between_batches_is_reloaded_before_it_samples_again(
     assert all(o.weights_version == 0 for o in outputs)
 
 
+def test_a_server_restarted_under_a_stream_reads_its_version_back_before_it_samples_again(
+    fakes, attach_to
+):
+    """The review's case: a supervisor restarts the server while a stream is in flight, and it
+    answers `/health` again at once, so the engine takes the break for the stream's alone and
+    sends the continuation back to it. Its weights are read back first (its initial ones:
+    reloaded) instead of sampling them tagged as the batch's version (I2)."""
+    engine, _ = attach_to(fakes[:1])
+    fakes[0].restart_in_stream = True
+    outputs = engine.generate(batch(1))  # one stream: no other in flight across the restart
+    calls = fakes[0].calls
+    restarted = calls.index(("RESTART", ""))
+    after = calls[restarted:]
+    assert ("POST", "/v1/completions") in after, "the continuation went elsewhere"
+    first_completion = after.index(("POST", "/v1/completions"))
+    assert ("POST", "/collective_rpc") in after[:first_completion], "sampled without a reload"
+    assert fakes[0].reloads == 2
+    assert all(o.weights_version == 0 for o in outputs)
+
+
 def test_an_attached_server_found_dead_is_used_again_once_it_answers(fakes, attach_to):
     """Server 0 goes down before a batch: the batch runs on server 1. Once it answers again
     (restarted), the next batch uses it, loaded first."""

@@ -349,6 +349,9 @@ class VLLMServerEngine:
             self._counters["server_failovers"] += 1
             self._counters["server_tokens_kept"] += kept
         with server.lock:  # one death is handled once, whichever of its streams saw it
+            # a break may be a restart that already answers /health: the next job on it reads
+            # its weights back before it samples (`ServerWeights.load_on`)
+            server.checked = -1
             if not server.alive or server.healthy(timeout=self.health_timeout):
                 return  # handled already, or alive (the stream alone broke)
             server.alive = False
