@@ -191,6 +191,9 @@ def test_a_repeated_signal_never_aborts_the_notices_checkpoint_and_a_third_abort
     assert not stop.hurry.is_set()
     with pytest.raises(signals.Aborted):
         stop._handle(signal.SIGTERM, None)
+    # an abort waits for nothing (generation, the shutdown: the review found a wedged call
+    # held a thrice-signalled run), and what is left running is not joined at exit
+    assert stop.hurry.is_set() and stop.abandoned
     verified = StopRequest()
     verified._handle(signal.SIGINT, None)
     verified.checkpoint_verified()
@@ -232,5 +235,40 @@ def test_after_a_notice_the_runs_shutdown_is_given_up_at_the_deadline(capsys):
         released.set()
         shutdown_by_deadline(trainer(done))
         assert not done.abandoned and calls[-1] == threading.current_thread().name
+    finally:
+        released.set()
+
+
+def test_the_exit_handlers_are_waited_for_no_longer_than_the_deadline(monkeypatch):
+    """`end_now` (a thread was given up): the exit handlers run (Ray's shutdown is one), in a
+    thread waited for at most until the notice's deadline; a handler that never returns does
+    not hold the exit code back. `os._exit` is recorded instead of ending the test."""
+    import atexit
+    import os
+    import threading
+    import time
+
+    from asyncrl.cli import main
+
+    released, ran = threading.Event(), []
+
+    def wedged():
+        ran.append(True)
+        released.wait()
+
+    class Exited(BaseException):
+        pass
+
+    def exits(code):
+        raise Exited(code)
+
+    monkeypatch.setattr(atexit, "_run_exitfuncs", wedged)  # not this process's own handlers
+    monkeypatch.setattr(os, "_exit", exits)
+    stop = StopRequest(grace_s=0.5)
+    stop.receive("SIGTERM", now_s=time.monotonic())
+    try:
+        with pytest.raises(Exited) as ended:
+            main.end_now(75, stop)
+        assert ended.value.args == (75,) and ran == [True]
     finally:
         released.set()

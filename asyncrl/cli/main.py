@@ -126,9 +126,9 @@ def _train(args: argparse.Namespace) -> int:
         print(f"asyncrl: error: {err}", file=sys.stderr)
         return EXIT_BAD_INPUT
     except Preempted:
-        return end_now(EXIT_PREEMPTED) if stop.abandoned else EXIT_PREEMPTED
+        return end_now(EXIT_PREEMPTED, stop) if stop.abandoned else EXIT_PREEMPTED
     except Aborted:
-        return end_now(EXIT_ABORTED) if stop.abandoned else EXIT_ABORTED
+        return end_now(EXIT_ABORTED, stop) if stop.abandoned else EXIT_ABORTED
     except (GenerationFailed, NonFiniteLoss, CheckpointError, RankFailed) as err:
         print(f"asyncrl: error: {err}", file=sys.stderr)
         print(
@@ -141,17 +141,34 @@ def _train(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
-def end_now(code: int) -> NoReturn:
-    """Ends the process with `code` once the run's cleanup is done, where a generation thread
-    was given up still running (`StopRequest.abandoned`): the interpreter's own end would
-    meet it, and a thread that wakes in native code then (torch, Ray) can abort the process,
-    turning 75 into 134. The exit handlers run first."""
+EXIT_HANDLERS_S = 5.0
+"""The most the exit handlers (Ray's own shutdown among them) may take in `end_now` where no
+deadline is nearer."""
+
+
+def end_now(code: int, stop: Any) -> NoReturn:
+    """Ends the process with `code` once the run's cleanup is done, where a thread was given up
+    still running (`StopRequest.abandoned`: generation, or the run's shutdown, at the deadline;
+    or an abort): the interpreter's own end would join it, and a thread that wakes in native
+    code then (torch, Ray) can abort the process, turning 75 into 134. The exit handlers run
+    first, in a thread waited for at most until the notice's deadline (less 0.2 s) or
+    `EXIT_HANDLERS_S`: Ray registers its shutdown there, the call the bounded shutdown may just
+    have given up. Launched servers and scratch copies are their lifeline's to end."""
     import atexit
     import os
+    import threading
+    import time
 
+    notice = stop.notice
+    at = None if notice is None else notice.deadline_at
+    limit = EXIT_HANDLERS_S if at is None else min(EXIT_HANDLERS_S, at - time.monotonic() - 0.2)
     sys.stdout.flush()
     sys.stderr.flush()
-    atexit._run_exitfuncs()
+    handlers = threading.Thread(target=atexit._run_exitfuncs, name="asyncrl-exit", daemon=True)
+    handlers.start()
+    handlers.join(max(0.0, limit))
+    sys.stdout.flush()
+    sys.stderr.flush()
     os._exit(code)
 
 

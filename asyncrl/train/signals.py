@@ -161,5 +161,7 @@ class StopRequest:
             _say(f"{name} again: the checkpoint goes on; once more aborts it")
         else:
             self.aborting = True
+            self.hurry.set()  # an abort waits for nothing: generation, the shutdown
+            self.abandoned = True  # what is left running is not joined at exit
             _say(f"{name} a third time: aborting; the newest verified checkpoint stands")
             raise Aborted(name)

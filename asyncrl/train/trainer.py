@@ -79,7 +79,7 @@ from asyncrl.train.rundir import (
     open_run_dir,
     record_launch,
 )
-from asyncrl.train.signals import Preempted, StopRequest
+from asyncrl.train.signals import Aborted, Preempted, StopRequest
 
 STAGED_IN_BACKGROUND = ("model", "algorithm", "generation")
 """Parts whose tensors change in place only in optimizer steps (weights, optimizer moments, a
@@ -507,8 +507,9 @@ def train(
             graceful = True
         except BaseException as err:
             graceful = isinstance(err, Preempted)  # the other ranks wait for a command
-            with contextlib.suppress(BaseException):
-                trainer.writer.wait()  # a write in progress is still a good checkpoint
+            if not isinstance(err, Aborted):  # an abort waits for nothing
+                with contextlib.suppress(BaseException):
+                    trainer.writer.wait()  # a write in progress is still a good checkpoint
             trainer.close()
             if group is not None and not isinstance(err, RankFailed):
                 # a collective broken by a dead rank is a RuntimeError (gloo, NCCL)
