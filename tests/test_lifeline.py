@@ -174,7 +174,8 @@ def test_a_launch_that_ends_at_once_leaves_no_server_process_and_no_scratch_copy
     for index in range(2):  # their engines: one more process in each group
         log = (run / "servers" / f"server_{index}.log").read_text()
         pids += [int(x.split()[-1]) for x in log.splitlines() if x.startswith("fake_vllm child")]
-    assert len(pids) == 4 and all(not process_gone(pid, 0) for pid in pids)
+    alive = [pid for pid in pids if Path(f"/proc/{pid}").exists()]  # the precondition, read now
+    assert len(pids) == 4 and alive == pids, (pids, alive)
     if end == "SIGKILL":
         child.kill()
     else:

@@ -296,7 +296,9 @@ class EpisodeRunner:
             raise EpisodeError(
                 f"env.name={self.env_name}: step {sid} was asked before with another text "
                 f"(hash {request.get('text_sha256')}, now {text_sha256(text)}); a step id names "
-                "one request (a deterministic run that did not generate the same text?)"
+                "one request (a deterministic run that did not generate the same text: resumed "
+                "on another machine type, software or thread count? docs/determinism.md: "
+                "resume it where it ran)"
             )
         answer = self._logged_result(sid)
         if answer is None:
@@ -496,7 +498,7 @@ class EpisodeRunner:
         try:
             return self.chat_tokens.reply_ids(episode.history(), len(messages), ended)
         except ValueError as err:
-            raise EpisodeError(f"env.name={self.env_name}: {err}") from None
+            raise EpisodeError(f"env.name={self.env_name}: {err}") from err
 
 
 def _last_step(episode: Episode) -> str:
