@@ -145,6 +145,20 @@ def test_audit_finds_an_environment_step_executed_twice(tmp_path):
         report = AuditReport(1, 4, 0)
         _audit_journals(shared, report, run_id)
         assert report.ok == ok, report.violations
+    # a call begun twice (intent, a kill inside the tool, intent, result) is an execution the
+    # result rows cannot show: at most one a resume (a kill) is allowed
+    begun = tmp_path / "begun"
+    with pytest.raises(KeyboardInterrupt):
+        Journal(begun / "tool.jsonl", "r").call("0:0:0", "1+1", "aa", act=interrupted)
+    Journal(begun / "tool.jsonl", "r").call("0:0:0", "1+1", "aa")
+    for resumes, ok in ((1, True), (0, False)):
+        report = AuditReport(1, 4, resumes)
+        _audit_journals(begun, report, "r")
+        assert report.ok == ok, report.violations
+
+
+def interrupted(expression: str) -> str:
+    raise KeyboardInterrupt("killed inside the tool")
 
 
 def test_a_turn_calls_the_tool_answers_or_is_reminded(tmp_path):

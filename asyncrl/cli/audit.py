@@ -347,12 +347,15 @@ def _audit_journals(folder: Path, report: AuditReport, run_id: str = "") -> None
     for path in journals:
         problems: list[str] = []
         seen: dict[str, int] = {}
+        begun: dict[str, int] = {}  # step id -> intent rows (calls begun)
         for row in iter_jsonl(path, problems):
             if isinstance(row, dict) and "step_id" in row:
                 sid = str(row["step_id"])
                 if run_id and row.get("run_id") not in (None, "", run_id):
                     continue  # another run's step, in a journal the runs share
-                if not row.get("intent"):  # an intent is not an execution: its result is
+                if row.get("intent"):  # an intent is not an execution: its result is
+                    begun[sid] = begun.get(sid, 0) + 1
+                else:
                     seen[sid] = seen.get(sid, 0) + 1
                 asked = report.step_texts.get(sid)
                 if row.get("text_sha256") and asked and row["text_sha256"] != asked:
@@ -363,6 +366,13 @@ def _audit_journals(folder: Path, report: AuditReport, run_id: str = "") -> None
                     )
         report.violations += [f"damaged record: {p}" for p in problems]
         journaled += len(seen)
+        again = sorted(s for s, n in begun.items() if n > 1)
+        if len(again) > report.num_resumes:  # a kill inside a call may leave one begun twice
+            report.violations.append(
+                f"I9: {len(again)} tool calls begun more than once ({path.parent.name}/"
+                f"{path.name}) over {report.num_resumes} resumes (a kill inside a call, at "
+                f"most one a resume, may): {', '.join(again[:10])}"
+            )
         twice = sorted(s for s, n in seen.items() if n > 1)
         if twice:
             report.violations.append(
