@@ -152,6 +152,31 @@ os._exit(130)  # the same signal twice (train/signals.py)
 """
 
 
+def start_child(code: str) -> tuple[subprocess.Popen, dict]:
+    """A child running `code` once it printed `UP {json}` (its state to look at)."""
+    child = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE,
+                             stdout=subprocess.PIPE, text=True)  # fmt: skip
+    assert child.stdout is not None and child.stdin is not None
+    lines = [child.stdout.readline()]
+    while lines[-1] and not lines[-1].startswith("UP "):
+        lines.append(child.stdout.readline())
+    assert lines[-1], "".join(lines)
+    return child, json.loads(lines[-1][3:])
+
+
+def end_child(child: subprocess.Popen, end: str, up: dict) -> None:
+    """Ends the child as `end` says (SIGKILL, or its stdin closed: it ends itself), then waits
+    for the state to look at: its lifeline's guard has done its work."""
+    if end == "SIGKILL":
+        child.kill()
+    else:
+        assert child.stdin is not None
+        child.stdin.close()
+    child.wait(60)
+    if up["guard"]:
+        assert process_gone(up["guard"], 60)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("end", ["os._exit(130)", "exit", "SIGKILL"])
 def test_a_launch_that_ends_at_once_leaves_no_server_process_and_no_scratch_copy(tmp_path, end):
@@ -161,14 +186,7 @@ def test_a_launch_that_ends_at_once_leaves_no_server_process_and_no_scratch_copy
     run = tmp_path / "run"
     code = CHILD.format(tests=str(TESTS), fake=str(TESTS / "fake_vllm.py"), run=str(run),
                         end="exit" if end == "exit" else "")  # fmt: skip
-    child = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE,
-                             stdout=subprocess.PIPE, text=True)  # fmt: skip
-    assert child.stdout is not None and child.stdin is not None
-    lines = [child.stdout.readline()]
-    while lines[-1] and not lines[-1].startswith("UP "):
-        lines.append(child.stdout.readline())
-    assert lines[-1], "".join(lines)
-    up = json.loads(lines[-1][3:])
+    child, up = start_child(code)
     rows = json.loads((run / "servers" / RECORD).read_text())
     pids = [row["pid"] for row in rows]
     for index in range(2):  # their engines: one more process in each group
@@ -176,13 +194,7 @@ def test_a_launch_that_ends_at_once_leaves_no_server_process_and_no_scratch_copy
         pids += [int(x.split()[-1]) for x in log.splitlines() if x.startswith("fake_vllm child")]
     alive = [pid for pid in pids if Path(f"/proc/{pid}").exists()]  # the precondition, read now
     assert len(pids) == 4 and alive == pids, (pids, alive)
-    if end == "SIGKILL":
-        child.kill()
-    else:
-        child.stdin.close()
-    child.wait(60)
-    if up["guard"]:  # the state to look at: the lifeline's guard has done its work
-        assert process_gone(up["guard"], 60)
+    end_child(child, end, up)
     assert all(process_gone(pid, 10) for pid in pids), pids
     assert not Path(up["scratch"]).exists()
 
@@ -219,23 +231,10 @@ def test_an_in_process_vllm_engine_that_ends_at_once_leaves_no_scratch_copy(tmp_
     it ends by `os._exit` or SIGKILL, neither of which runs a finalizer: its lifeline removes
     it, not the next launch."""
     code = ENGINE_CHILD.format(tests=str(TESTS), scratch=str(tmp_path / ".scratch"))
-    child = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE,
-                             stdout=subprocess.PIPE, text=True)  # fmt: skip
-    assert child.stdout is not None and child.stdin is not None
-    lines = [child.stdout.readline()]
-    while lines[-1] and not lines[-1].startswith("UP "):
-        lines.append(child.stdout.readline())
-    assert lines[-1], "".join(lines)
-    up = json.loads(lines[-1][3:])
+    child, up = start_child(code)
     copy = Path(up["copy"])
     assert (copy / "config.json").exists() and copy.parent == tmp_path / ".scratch"
-    if end == "SIGKILL":
-        child.kill()
-    else:
-        child.stdin.close()
-    child.wait(60)
-    if up["guard"]:  # the state to look at: the lifeline's guard has done its work
-        assert process_gone(up["guard"], 60)
+    end_child(child, end, up)
     assert not copy.exists()
 
 
