@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from asyncrl.checkpoint.store import CheckpointError
+from asyncrl.core.ledger import Ledger
 from asyncrl.core.preemption import Measured, StopPlan, estimate_s, outcome, plan_stop, seconds
 from asyncrl.train.kept import keep_at_notice
 from asyncrl.train.signals import Preempted, StopRequest
@@ -194,7 +195,7 @@ def stop_generation_by_deadline(trainer: Trainer) -> None:
     if not ended:
         collector.abandon()
         stop.abandoned = True
-    in_flight = sorted(dict(trainer.parts.ledger.in_flight))  # one C call: no lock needed
+    in_flight = _unfinished(trainer.parts.ledger)
     trainer.logs.events.emit(
         "generation_stopped",
         waited_s=time.monotonic() - start,
@@ -208,6 +209,18 @@ def stop_generation_by_deadline(trainer: Trainer) -> None:
             "are in flight in the checkpoint and are generated again on resume",
             flush=True,
         )
+
+
+def _unfinished(ledger: Ledger) -> list[int]:
+    """The ordinals handed out and not buffered, in flight or queued again (a halted batch's
+    go back to the queue): what a resume generates again. Read without the collector's lock,
+    which a thread given up may hold; a read that meets a change is tried again."""
+    for _ in range(3):
+        try:
+            return [t.ordinal for t in ledger.unfinished()]
+        except RuntimeError:  # the queue changed while it was read
+            continue
+    return sorted(dict(ledger.in_flight))
 
 
 SHUTDOWN_RESERVE_S = 0.5
