@@ -25,7 +25,6 @@
 
 from __future__ import annotations
 
-import json
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -35,7 +34,7 @@ import yaml
 
 from asyncrl.core.episodes import parse_step_id
 from asyncrl.train.records import iter_jsonl, span_token_starts
-from asyncrl.train.rundir import records_version
+from asyncrl.train.rundir import read_run_id, records_version
 
 
 @dataclass
@@ -202,15 +201,8 @@ def audit_run_dir(run_dir: Path) -> AuditReport:
     )
     report.violations[:0] = [f"damaged record: {p}" for name in FILES for p in problems[name]]
     _audit_steps(run_dir, report, int((config.get("env") or {}).get("max_turns", 0)), strict)
-    _audit_journals(run_dir / "env", report, _run_id(run_dir))
+    _audit_journals(run_dir / "env", report, read_run_id(run_dir))
     return report
-
-
-def _run_id(run_dir: Path) -> str:
-    try:
-        return str(json.loads((run_dir / "run.json").read_text())["run_id"])
-    except (OSError, ValueError, KeyError, TypeError):
-        return ""
 
 
 def _audit_steps(

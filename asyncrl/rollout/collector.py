@@ -193,9 +193,7 @@ class Collector:
         it: a chunked batch stops between chunks, its partials in the ledger) to end (at most
         `timeout_s`, if given; one still running then is abandoned, its ordinals in flight in
         the ledger)."""
-        with self._cond:
-            self._stop = True
-            self._cond.notify_all()
+        self._ask_stop()
         if self._thread.is_alive() and not self._abandoned:
             self._thread.join(timeout_s)
 
@@ -204,12 +202,15 @@ class Collector:
         (`stops_early`: the torch engine after the token it is sampling; the batch's tokens go
         to the ledger as partials, in flight). For a run that is stopping: the engine
         generates nothing more. Does not wait (`join`)."""
-        with self._cond:
-            self._stop = True
-            self._cond.notify_all()
+        self._ask_stop()
         stop_generating = getattr(self.engine, "stop_generating", None)
         if callable(stop_generating):
             stop_generating()
+
+    def _ask_stop(self) -> None:
+        with self._cond:
+            self._stop = True
+            self._cond.notify_all()
 
     def join(self, timeout_s: float) -> bool:
         """Waits at most `timeout_s` for the generation thread to end; whether it has."""

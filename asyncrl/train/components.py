@@ -3,7 +3,6 @@ algorithm, which engine and which backend (threads or Ray) a run uses."""
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -38,6 +37,7 @@ from asyncrl.tasks.environments import environment_class
 from asyncrl.tasks.examples import Task, examples_sha256
 from asyncrl.tasks.prompts import encode_prompts
 from asyncrl.tasks.source import load_task
+from asyncrl.train.rundir import read_run_id
 
 OnBatch = Callable[[Chunk], None]
 ENV_DIR = "env"
@@ -241,16 +241,8 @@ def _episode_runner(
         Path(run_dir) / ENV_STEPS if run_dir else None,
         restart_on_resume=config.checkpoint.resume_policy == "restart_episode",
         deterministic=config.run.deterministic,
-        run_id=_run_id(Path(run_dir)) if run_dir else "",
+        run_id=read_run_id(Path(run_dir)) if run_dir else "",
     )
-
-
-def _run_id(run_dir: Path) -> str:
-    """The run's id from `RUN_DIR/run.json` ("" where there is none: a run dir of a test)."""
-    try:
-        return str(json.loads((run_dir / "run.json").read_text())["run_id"])
-    except (OSError, ValueError, KeyError, TypeError):
-        return ""
 
 
 def _engine_spec(

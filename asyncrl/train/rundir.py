@@ -106,6 +106,15 @@ def _write_run_json(
     _write_atomically(path / "run.json", json.dumps(record) + "\n")
 
 
+def read_run_id(path: Path) -> str:
+    """The run's id from `PATH/run.json` ("" where there is none or it is unreadable: a folder
+    of a test, or of an older version)."""
+    try:
+        return str(json.loads((path / "run.json").read_text())["run_id"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return ""
+
+
 def records_version(path: Path) -> int | None:
     """`run.json`'s `records` (see `RECORDS_VERSION`); None for a run dir of an older version
     or without a readable run.json."""
