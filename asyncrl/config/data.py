@@ -122,6 +122,49 @@ class EnvConfig:
             )
 
 
+@dataclass
+class AgentConfig:
+    """`agent.*`: agent runs that speak the OpenAI API (docs/agents.md). With `name` set, each
+    of a group's samples is one run of your agent against the run's own OpenAI-compatible
+    endpoint; the sample trained is every completion it got, exactly as generated, and the
+    messages between them masked out of the loss."""
+
+    name: str = ""
+    """`module:function` naming `async def run(client, example, ctx)` (or `module:Class` with
+    an `async run` method): `client` an `openai.AsyncOpenAI` for this one run, `ctx` its seed
+    and tool journal; the return value is the reward (None: `data.reward_fn` scores the last
+    answer). Empty: no agents."""
+    max_calls: int = 8
+    """Model calls per run at most; the call past it ends the run (a limit, not a failure)."""
+    max_tokens: int = 512
+    """Completion tokens per run at most (all its calls); each call is also held to
+    `rollout.max_new_tokens`. A run that has used them is ended by the limit."""
+    timeout_s: float = field(default=300.0, metadata=MAY_CHANGE)
+    """Seconds a run may take; one past it is a failed run (tried again, `retries`)."""
+    retries: int = field(default=1, metadata=MAY_CHANGE)
+    """Times a failed run (it raised, timed out or never called the model) is tried again with
+    the same seed before the run stops naming it. A failure is never trained as a reward."""
+    tool_parser: str = "hermes"
+    """How tool calls are read from a completion: `hermes` (`<tool_call>{json}</tool_call>`,
+    Qwen/Hermes-style templates) or `none`."""
+
+    def validate(self) -> None:
+        require(self.max_calls >= 1, "agent.max_calls", self.max_calls, ">= 1")
+        require(self.max_tokens >= 1, "agent.max_tokens", self.max_tokens, ">= 1")
+        require(self.timeout_s > 0, "agent.timeout_s", self.timeout_s, "> 0")
+        require(self.retries >= 0, "agent.retries", self.retries, ">= 0")
+        require(
+            self.tool_parser in ("hermes", "none"),
+            "agent.tool_parser",
+            self.tool_parser,
+            "one of hermes, none",
+        )
+        if self.name and ":" not in self.name:
+            raise ConfigError(
+                f"agent.name: {self.name!r} must look like 'module:function' (or 'module:Class')"
+            )
+
+
 BUILTIN_ENVIRONMENTS = {
     "guess_number": "asyncrl.tasks.games:GuessNumber",
     "calculator": "asyncrl.tasks.tools:Calculator",

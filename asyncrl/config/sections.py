@@ -21,7 +21,7 @@ from asyncrl.config.base import (
     NEVER_CHANGES,
 )
 from asyncrl.config.base import require as _require
-from asyncrl.config.data import DataConfig, EnvConfig, EvalConfig
+from asyncrl.config.data import AgentConfig, DataConfig, EnvConfig, EvalConfig
 from asyncrl.config.engines import ServersConfig, VLLMConfig
 from asyncrl.config.model import ModelConfig
 
@@ -420,6 +420,7 @@ class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
     env: EnvConfig = field(default_factory=EnvConfig)
+    agent: AgentConfig = field(default_factory=AgentConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     algo: AlgoConfig = field(default_factory=AlgoConfig)
@@ -456,6 +457,8 @@ class Config:
             )
         if self.env.name:
             self._validate_episodes()
+        if self.agent.name:
+            self._validate_agents()
         if self.run.deterministic:
             _require(
                 self.model.lora.dropout == 0,
@@ -495,10 +498,47 @@ class Config:
             "episode)",
         )
 
+    def _validate_agents(self) -> None:
+        """What agent runs (`agent.name`) do not run with."""
+        name = f"with agent.name={self.agent.name}"
+        _require(not self.env.name, "env.name", self.env.name, f"empty {name} (one mode a run)")
+        _require(
+            self.eval.every_steps == 0,
+            "eval.every_steps",
+            self.eval.every_steps,
+            f"0 {name} (evaluating agents is not built yet: the run's own rewards are its measure)",
+        )
+        _require(
+            self.rollout.chunk_tokens == 0,
+            "rollout.chunk_tokens",
+            self.rollout.chunk_tokens,
+            f"0 {name} (a call is generated whole; a kill replays runs from the agent log)",
+        )
+        _require(
+            self.rollout.backend == "threads",
+            "rollout.backend",
+            self.rollout.backend,
+            f"threads {name} (the endpoint serves the engine of the trainer's process)",
+        )
+        _require(
+            self.rollout.engine == "torch",
+            "rollout.engine",
+            self.rollout.engine,
+            f"torch {name} (agent calls on vLLM are not built yet)",
+        )
+        _require(
+            self.checkpoint.resume_policy == "lossless",
+            "checkpoint.resume_policy",
+            self.checkpoint.resume_policy,
+            f"lossless {name}",
+        )
+
     @property
     def generated_tokens(self) -> int:
         """Tokens a sample holds after its prompt at most: `rollout.max_new_tokens`, or for
         episodes `env.max_episode_tokens` (the loss's `constant` normaliser uses it)."""
+        if self.agent.name:
+            return self.agent.max_tokens
         return self.env.max_episode_tokens if self.env.name else self.rollout.max_new_tokens
 
     @property

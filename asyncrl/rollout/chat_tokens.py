@@ -22,17 +22,26 @@ class ChatTokens:
         """The token an assistant turn ends with: the template's own end of turn where it is a
         special token (`turn_end_id`), else the model's eos."""
 
-    def render(self, messages: list[Message]) -> list[int]:
-        """The opening messages as the prompt of an assistant turn."""
+    def render(
+        self, messages: list[Message], tools: list[dict[str, Any]] | None = None
+    ) -> list[int]:
+        """The opening messages as the prompt of an assistant turn (with the `tools` the
+        template describes to the model, where given: agent runs)."""
         if self.chat:
             encoded: Any = self.tokenizer.apply_chat_template(
-                messages, add_generation_prompt=True, tokenize=True
+                messages, add_generation_prompt=True, tokenize=True, **_tools(tools)
             )
             ids = encoded["input_ids"] if hasattr(encoded, "keys") else encoded
             return [int(x) for x in ids]
         return self.encode("".join(m["content"] for m in messages))
 
-    def reply_ids(self, history: list[Message], num_reply: int, ended: bool) -> list[int]:
+    def reply_ids(
+        self,
+        history: list[Message],
+        num_reply: int,
+        ended: bool,
+        tools: list[dict[str, Any]] | None = None,
+    ) -> list[int]:
         """The tokens of a reply, the last `num_reply` messages of `history`, as the history
         continues it: the chat template's text after the assistant's end-of-turn token, up to
         the next assistant turn's opening (an end-of-turn token first, where the turn was cut
@@ -42,8 +51,8 @@ class ChatTokens:
         reply = history[len(history) - num_reply :]
         if not self.chat:
             return eos + self.encode("".join(m["content"] for m in reply))
-        before = self.template(history[: len(history) - num_reply], generation=False)
-        after = self.template(history, generation=True)
+        before = self.template(history[: len(history) - num_reply], False, tools)
+        after = self.template(history, True, tools)
         if not after.startswith(before):
             raise ValueError(
                 "the chat template does not extend the history turn by turn (its rendering of "
@@ -57,12 +66,20 @@ class ChatTokens:
     def encode(self, text: str) -> list[int]:
         return [int(x) for x in self.tokenizer(text, add_special_tokens=False)["input_ids"]]
 
-    def template(self, messages: list[Message], generation: bool) -> str:
+    def template(
+        self, messages: list[Message], generation: bool, tools: list[dict[str, Any]] | None = None
+    ) -> str:
         return str(
             self.tokenizer.apply_chat_template(
-                messages, add_generation_prompt=generation, tokenize=False
+                messages, add_generation_prompt=generation, tokenize=False, **_tools(tools)
             )
         )
+
+
+def _tools(tools: list[dict[str, Any]] | None) -> dict[str, Any]:
+    """`tools=` for the chat template where there are any (a template without tool support
+    is never handed the argument)."""
+    return {"tools": tools} if tools else {}
 
 
 def turn_end_id(tokenizer: PreTrainedTokenizerBase, eos_id: int) -> int:
