@@ -22,7 +22,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("asyncrl.config",),
     ("asyncrl.checkpoint", "asyncrl.tasks"),
     ("asyncrl.models",),
-    ("asyncrl.algos", "asyncrl.rollout"),
+    ("asyncrl.algos", "asyncrl.rollout", "asyncrl.agents"),
     ("asyncrl.distributed",),
     ("asyncrl.train",),
     ("asyncrl.cli", "asyncrl.examples"),
