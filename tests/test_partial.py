@@ -21,6 +21,7 @@ from asyncrl.models.logprobs import completion_logprobs
 from asyncrl.models.policy import load_policy
 from asyncrl.rollout.collector import Collector
 from asyncrl.rollout.engine import GenerationRequest
+from asyncrl.rollout.rollouts import PassOptions, SingleTurns
 from asyncrl.rollout.scorer import Scored
 
 LONG = 30  # max_new_tokens: with a 13-token vocabulary most samples sample EOS before it
@@ -241,11 +242,16 @@ class RecordingEngine:
 
 def collector_for(policy, engine, ledger, buffer, chunk, mid=False, stop_after=None):
     prompts = [encode(policy, f"{i}{i + 1}=") for i in range(10)]
+    rollout = SingleTurns(
+        PassOptions(
+            engine, G, seed=0, pad_id=policy.pad_id, chunk_tokens=chunk, mid_generation_updates=mid
+        ),
+        prompts,
+        lambda items: [Scored(torch.zeros(out.completion_ids.shape[0])) for _, out in items],
+    )
     collector = Collector(
-        ledger=ledger, buffer=buffer, engine=engine, prompts=prompts,
-        scorer=lambda items: [Scored(torch.zeros(out.completion_ids.shape[0])) for _, out in items],
-        num_generations=G, window=1, seed=0, groups_per_batch=2, end_target=1,
-        pad_id=policy.pad_id, chunk_tokens=chunk, mid_generation_updates=mid,
+        ledger=ledger, buffer=buffer, rollout=rollout, window=1, groups_per_batch=2,
+        end_target=1,
     )  # fmt: skip
     return collector
 

@@ -2,11 +2,16 @@
 
     loop:
       admit tickets from the stream while their target is inside the window  (before pulling)
-      generate their groups in one batch with the newest published weights,
-        in chunks of `chunk_tokens` tokens per sample if set: after each chunk the unfinished
-        groups' partial samples go to the ledger, the finished groups on
-      score each sample, stamp the group (ordinal, target, versions), add it to the buffer
+      hand the batch to the run's `Rollout` (`asyncrl.rollout.rollouts`): a single turn, an
+        environment episode or an agent run per sample; it generates and lands its groups
       if nothing is admissible: wait for the trainer to publish a new weights version
+
+The collector knows no kind of sample. A `Rollout` sees it as a `Landing` and calls it from
+this thread: `saved` (the ledger's partials of the batch's tickets), `version_for` / `newest`
+(the weights a sample asks for), `land(chunk, progress, groups)` (under the lock: the timeline
+row, unfinished partials to the ledger, finished groups to the buffer, their ordinals
+completed) and `stopping` (a stop was asked: return between steps). A batch that raises goes
+back to the front of the queue and is retried; `RolloutFatal` stops generation at once.
 
 Admission is checked against the newest *published* version, which the engine uses from its
 next batch on, so every group trained at step t was generated with versions >= t - A (with
@@ -18,11 +23,8 @@ from __future__ import annotations
 
 import contextlib
 import threading
-import time
-from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, field, replace
-
-import torch
+from collections.abc import Callable, Iterator
+from dataclasses import replace
 
 from asyncrl.core.buffer import Buffer
 from asyncrl.core.ledger import Ledger
@@ -31,88 +33,19 @@ from asyncrl.core.seeds import noise_seed
 from asyncrl.core.types import Group, PromptTicket
 from asyncrl.faults import fault_point
 from asyncrl.models.threads import CoreShare
-from asyncrl.rollout.engine import GenerationEngine, GenerationOutput, GenerationRequest
-from asyncrl.rollout.episodes import EpisodeRunner
-from asyncrl.rollout.scorer import Scored
+from asyncrl.rollout.rollouts import Chunk, Rollout, RolloutFatal, make_group
 from asyncrl.rollout.weight_sync import WeightSource
+
+__all__ = [
+    "MAX_MERGED", "MAX_MERGED_S", "Chunk", "Collector", "GenerationFailed", "make_group",
+    "noise_seed",
+]  # fmt: skip
+"""`Chunk`, `make_group` and `noise_seed` live in `rollouts` and `core.seeds`; named here too."""
 
 
 class GenerationFailed(RuntimeError):
-    """Generation failed `rollout.max_generation_failures` times in a row, or can never complete
-    a step; the cause is chained."""
-
-
-def make_group(
-    ticket: PromptTicket,
-    prompt_ids: list[int],
-    output: GenerationOutput,
-    rewards: torch.Tensor,
-    generation_s: float,
-    token_versions: torch.Tensor | None = None,
-    reward_components: dict[str, torch.Tensor] | None = None,
-    loss_mask: torch.Tensor | None = None,
-) -> Group:
-    """The buffered group; `token_versions` ([G, T], -1 where masked) when its tokens were
-    sampled by more than one weights version, else every token is `output.weights_version`;
-    `loss_mask` ([G, T]) the policy's tokens of episodes (environment tokens are not)."""
-    policy = output.completion_mask if loss_mask is None else loss_mask
-    if token_versions is None:
-        token_versions = torch.where(policy, output.weights_version, -1)
-    used = token_versions[policy]
-    versions = used if used.numel() else torch.tensor([output.weights_version])
-    mixed = int(versions.min()) != int(versions.max())
-    return Group(
-        ticket=ticket,
-        prompt_ids=prompt_ids,
-        completion_ids=output.completion_ids,
-        completion_mask=output.completion_mask,
-        behaviour_logprobs=output.logprobs,
-        rewards=rewards,
-        version_min=int(versions.min()),
-        version_max=int(versions.max()),
-        generation_s=generation_s,
-        token_versions=token_versions if mixed else None,
-        reward_components=reward_components or {},
-        loss_mask=loss_mask,
-    )
-
-
-@dataclass(frozen=True)
-class Chunk:
-    """One engine pass of a batch, for the timeline: which tickets, with which weights, and
-    per ticket and sample the index of its first new token and how many it got."""
-
-    start: float  # time.perf_counter()
-    seconds: float  # generation and scoring
-    version: int
-    tickets: list[PromptTicket]
-    token_starts: list[list[int]]
-    token_counts: list[list[int]]
-    landed: list[int] = field(default_factory=list)
-    """Ordinals whose groups finished with this chunk and went to the buffer."""
-    chunks: int = 1
-    """Engine passes this record covers (`merged`: consecutive passes over the same tickets
-    with the same weights are one timeline row)."""
-
-    def merged(self, later: Chunk) -> Chunk:
-        """This pass and the `later` one over the same tickets and version as one: from this
-        start, their seconds and token counts added (a sample's tokens are contiguous)."""
-        assert later.version == self.version and later.ordinals == self.ordinals
-        counts = [
-            [a + b for a, b in zip(x, y, strict=True)]
-            for x, y in zip(self.token_counts, later.token_counts, strict=True)
-        ]
-        return replace(
-            self,
-            seconds=self.seconds + later.seconds,
-            token_counts=counts,
-            landed=later.landed,
-            chunks=self.chunks + later.chunks,
-        )
-
-    @property
-    def ordinals(self) -> tuple[int, ...]:
-        return tuple(t.ordinal for t in self.tickets)
+    """Generation failed `rollout.max_generation_failures` times in a row, or once with
+    `RolloutFatal`, or can never complete a step; the cause is chained."""
 
 
 MAX_MERGED = 32
@@ -121,56 +54,39 @@ MAX_MERGED_S = 10.0
 
 
 class Collector:
-    """Runs generation on a background thread until `stop()`.
+    """Runs generation on a background thread until `stop()`; the `Landing` of its rollout.
 
-    One lock (`_cond`) guards admission (ledger.admit) and completion (a whole batch's
-    buffer.add together with ledger.complete), so `snapshot()` under the same lock always sees
-    every ordinal in exactly one place: pending, in flight or buffered. Generation itself runs
-    outside the lock.
+    One lock (`_cond`) guards admission (ledger.admit) and completion (`land`: a step's
+    buffer.add together with ledger.complete and its partials' ledger.progress), so `cut()`
+    under the same lock always sees every ordinal in exactly one place: pending, in flight or
+    buffered. Generation itself runs outside the lock.
     """
 
     def __init__(
         self,
         ledger: Ledger,
         buffer: Buffer,
-        engine: GenerationEngine,
-        prompts: Sequence[list[int]],
-        scorer: Callable[[list[tuple[PromptTicket, GenerationOutput]]], list[Scored]],
-        num_generations: int,
+        rollout: Rollout,
         window: int,
-        seed: int,
         groups_per_batch: int,
         end_target: int,
         on_batch: Callable[[Chunk], None] | None = None,
         pin_versions: bool = False,
         max_failures: int = 3,
-        pad_id: int = 0,
-        chunk_tokens: int = 0,
-        mid_generation_updates: bool = False,
         weights: WeightSource | None = None,
-        episodes: EpisodeRunner | None = None,
         cores: CoreShare | None = None,
     ) -> None:
         self.ledger = ledger
         self.buffer = buffer
-        self.engine = engine
-        self.prompts = prompts
-        self.scorer = scorer
-        self.num_generations = num_generations
+        self.rollout = rollout  # how a batch's samples are generated: the one kind of this run
         self.window = window
-        self.seed = seed
         self.groups_per_batch = groups_per_batch
         self.end_target = end_target  # run.max_num_steps: no group for a step that never trains
         self.on_batch = on_batch
         self.pin_versions = pin_versions
         self.max_failures = max_failures
-        self.pad_id = pad_id
-        self.chunk_tokens = chunk_tokens  # 0: each batch in one engine pass
-        self.mid_generation_updates = mid_generation_updates
         self.weights = weights  # the engine's weights versions, to pin a continued sample's
-        self.episodes = episodes  # multi-turn: each sample an episode with an environment
         self.cores = cores or CoreShare(0)  # this thread's torch threads while it generates
-        self._scores: dict[int, Scored] = {}  # scored, not yet buffered
         self.num_failures = 0  # every failed batch, for the metrics
         self._consecutive_failures = 0
         self._version = 0  # the newest published version; the trainer publishes on resume
@@ -198,14 +114,12 @@ class Collector:
             self._thread.join(timeout_s)
 
     def halt(self) -> None:
-        """Stops admitting, and ends the engine call in progress where the engine can
-        (`stops_early`: the torch engine after the token it is sampling; the batch's tokens go
+        """Stops admitting, and ends the generation in progress where the rollout can
+        (`Rollout.halt`: the torch engine after the token it is sampling; the batch's tokens go
         to the ledger as partials, in flight). For a run that is stopping: the engine
         generates nothing more. Does not wait (`join`)."""
         self._ask_stop()
-        stop_generating = getattr(self.engine, "stop_generating", None)
-        if callable(stop_generating):
-            stop_generating()
+        self.rollout.halt()
 
     def _ask_stop(self) -> None:
         with self._cond:
@@ -230,8 +144,10 @@ class Collector:
             self._cond.notify_all()
 
     def check(self) -> None:
-        """Raises `GenerationFailed` if generation gave up; restarts a dead worker thread. The
-        trainer calls this while it waits."""
+        """Raises `GenerationFailed` if generation gave up (`RolloutFatal`, or failures in a
+        row); restarts a dead worker thread. The trainer calls this while it waits."""
+        if isinstance(self._error, RolloutFatal):
+            raise GenerationFailed(f"generation stopped: {self._error}") from self._error
         if self._error is not None:
             raise GenerationFailed(
                 f"generation failed {self.max_failures} times in a row; last: {self._error}"
@@ -305,7 +221,8 @@ class Collector:
 
     def _batches(self) -> None:
         """Generates batch after batch. A failed batch goes back to the front of the queue and
-        is tried again; `max_failures` failures in a row stop generation for good."""
+        is tried again; `max_failures` failures in a row, or one `RolloutFatal`, stop
+        generation for good."""
         while tickets := self._admit():
             try:
                 with self.cores.busy():
@@ -321,8 +238,10 @@ class Collector:
                     return  # the run is ending; its logs may already be closed
                 self.num_failures += 1
                 self._consecutive_failures += 1
-                print(f"asyncrl: generation failed ({self._consecutive_failures} in a row): {err}")
-                if self._consecutive_failures >= self.max_failures:
+                fatal = isinstance(err, RolloutFatal)  # the rollout says a retry cannot mend it
+                again = "not retried" if fatal else f"{self._consecutive_failures} in a row"
+                print(f"asyncrl: generation failed ({again}): {err}")
+                if fatal or self._consecutive_failures >= self.max_failures:
                     self._error = err
                     return
 
@@ -347,173 +266,53 @@ class Collector:
         self._thread.start()
 
     def _generate(self, tickets: list[PromptTicket]) -> None:
-        """Generates the batch's groups, a chunk of at most `chunk_tokens` tokens per sample
-        at a time (0: in one pass). After each chunk, under the lock, every unfinished group's
-        partial goes to the ledger (a checkpoint saves it) and every finished group to the
-        buffer. A stop request ends the batch between chunks, its partials kept."""
-        self._scores.clear()  # a failed batch's scores are stale
-        with self._cond:
-            saved = {t.ordinal: self.ledger.partials.get(t.ordinal) for t in tickets}
-        partials = {t.ordinal: self._opened(t, saved[t.ordinal]) for t in tickets}
-        self._land_recovered(tickets, partials)
-        wanted = {t.ordinal: self._wanted_version(t, partials[t.ordinal]) for t in tickets}
-        seconds = dict.fromkeys(partials, 0.0)
-        while open_tickets := [t for t in tickets if not partials[t.ordinal].done]:
-            if self.mid_generation_updates:  # every chunk on the newest weights, in one call
-                wanted = dict.fromkeys(wanted, self._newest())
-            by_version: dict[int | None, list[PromptTicket]] = {}
-            for t in open_tickets:
-                by_version.setdefault(wanted[t.ordinal], []).append(t)
-            for version, group in by_version.items():
-                chunk = self._chunk(group, partials, version)
-                for t in group:
-                    seconds[t.ordinal] += chunk.seconds / len(group)
-                    if not self.mid_generation_updates:
-                        wanted[t.ordinal] = chunk.version  # the rest of the batch keeps it
-                landed = [t for t in group if partials[t.ordinal].done]
-                groups = [self._group(t, partials[t.ordinal], seconds[t.ordinal]) for t in landed]
-                with self._cond:  # one chunk's results land together
-                    self._add_span(replace(chunk, landed=[t.ordinal for t in landed]))
-                    for t in group:
-                        if partials[t.ordinal].done:
-                            continue
-                        self.ledger.progress(t.ordinal, partials[t.ordinal])
-                    for g in groups:
-                        self.buffer.add(g)
-                        self.ledger.complete(g.ordinal)
-                        if self.episodes is not None:
-                            self.episodes.forget(g.ordinal)
-                if groups:
-                    fault_point("collector.group_buffered")
-                fault_point("collector.chunk_done")
-            if self._stop:
-                break  # between chunks: the partials are in the ledger
+        """One batch through the rollout, then its last timeline rows."""
+        self.rollout.generate(tickets, self)
         with self._cond:
             self._record_spans()  # the batch's last rows
 
-    def _land_recovered(self, tickets: list[PromptTicket], partials: dict[int, Partial]) -> None:
-        """Groups that open finished go to the buffer without an engine pass: every episode
-        recovered to its end by the steps log (`EpisodeRunner.open`), or every sample kept
-        finished at a preemption notice (`asyncrl.core.kept`), scored now."""
-        done = [t for t in tickets if partials[t.ordinal].done]
-        if not done:
-            return
-        if self.episodes is not None:
-            scores = [self.episodes.scores(partials[t.ordinal]) for t in done]
-        else:
-            scores = self.scorer([(t, self._output(partials[t.ordinal])) for t in done])
-        self._scores.update({t.ordinal: s for t, s in zip(done, scores, strict=True)})
-        groups = [self._group(t, partials[t.ordinal], 0.0) for t in done]
+    # --- the Landing the rollout calls (asyncrl.rollout.rollouts), from this thread
+
+    @property
+    def stopping(self) -> bool:
+        return self._stop
+
+    def saved(self, tickets: list[PromptTicket]) -> dict[int, Partial | None]:
         with self._cond:
+            return {t.ordinal: self.ledger.partials.get(t.ordinal) for t in tickets}
+
+    def land(self, chunk: Chunk | None, progress: dict[int, Partial], groups: list[Group]) -> None:
+        """`Landing.land`: the timeline row, the partials and the groups together under the
+        lock; the fault points after it, for a chunk."""
+        with self._cond:
+            if chunk is not None:
+                self._add_span(replace(chunk, landed=[g.ordinal for g in groups]))
+            for ordinal, partial in progress.items():
+                self.ledger.progress(ordinal, partial)
             for g in groups:
                 self.buffer.add(g)
                 self.ledger.complete(g.ordinal)
-                if self.episodes is not None:
-                    self.episodes.forget(g.ordinal)
+        if chunk is None:
+            return
+        if groups:
+            fault_point("collector.group_buffered")
+        fault_point("collector.chunk_done")
 
-    def _opened(self, ticket: PromptTicket, saved: Partial | None) -> Partial:
-        """The ticket's samples so far: its saved partial (a resumed or failed batch's), or
-        none yet; episodes get their environments (reset, or restored from the partial)."""
-        if self.episodes is None:
-            return saved if saved is not None else Partial.empty(self.num_generations)
-        return self.episodes.open(ticket, saved, self.num_generations)
-
-    def _prompt(self, ticket: PromptTicket) -> list[int]:
-        if self.episodes is not None:
-            return self.episodes.prompt(ticket)
-        return list(self.prompts[ticket.dataset_index])
-
-    def _wanted_version(self, ticket: PromptTicket, partial: Partial) -> int | None:
-        """The weights version a ticket's next chunk asks for (None: the newest published)."""
+    def version_for(self, ticket: PromptTicket, partial: Partial | None) -> int | None:
+        """The weights version a ticket's next generation asks for (None: the newest)."""
         if self.pin_versions:  # deterministic mode: target t always uses version max(0, t - A)
             return max(0, ticket.target_step - self.window)
-        if self.mid_generation_updates or not partial.num_tokens:
-            return self._newest()
+        if partial is None or not partial.num_tokens:
+            return self.newest()
         version = int(partial.versions[partial.policy_mask].max())  # a continued sample keeps them
         # unless they are no longer kept (a run resumed with chunking or pinning switched off):
         # then it is finished on the newest, each token keeping its own version
-        return version if self.weights is None or self.weights.has(version) else self._newest()
+        return version if self.weights is None or self.weights.has(version) else self.newest()
 
-    def _newest(self) -> int | None:
+    def newest(self) -> int | None:
         """The newest published version, as `publish_version` announced it (None without
         `weights`: the engine's newest)."""
         if self.weights is None:
             return None
         # the sync may already hold (only) the next version while its announcement is on its way
         return self._version if self.weights.has(self._version) else self.weights.newest()
-
-    def _chunk(
-        self, tickets: list[PromptTicket], partials: dict[int, Partial], version: int | None
-    ) -> Chunk:
-        """One engine pass over `tickets`; their partials are extended in `partials`."""
-        requests = []
-        for t in tickets:
-            p = partials[t.ordinal]
-            started = bool(p.tokens.shape[1])
-            requests.append(
-                GenerationRequest(
-                    prompt_ids=self._prompt(t),
-                    num_samples=self.num_generations,
-                    noise_seed=noise_seed(self.seed, t.ordinal),
-                    prefixes=p.prefixes() if started else (),
-                    finished=tuple(bool(f) for f in p.finished) if started else (),
-                    limits=() if p.limits is None else tuple(int(n) for n in p.limits),
-                )
-            )
-        if self.episodes is not None:  # the ledger holds every step asked so far
-            self.episodes.log.mark()
-        start = time.perf_counter()
-        outputs = self.engine.generate(requests, version, self.chunk_tokens or None)
-        starts, counts = [], []
-        for t, out in zip(tickets, outputs, strict=True):
-            before = partials[t.ordinal]
-            partials[t.ordinal] = before.extend(
-                out.completion_ids,
-                out.completion_mask,
-                out.logprobs,
-                out.weights_version,
-                out.finished_rows(),
-            )
-            starts.append(before.lengths)
-            counts.append([int(n) for n in out.completion_mask.sum(dim=1)])
-        if self.episodes is not None:  # ended turns: the environments' steps and replies
-            stepped = self.episodes.advance_all([(t, partials[t.ordinal]) for t in tickets])
-            partials.update({t.ordinal: p for t, p in zip(tickets, stepped, strict=True)})
-        # scoring is the collector's work, counted in the chunk's seconds; the finished groups
-        # of a chunk are scored together (in parallel when rewards have worker processes)
-        done = [t for t in tickets if partials[t.ordinal].done]
-        if self.episodes is not None:  # an episode's reward is its environment's
-            scores = [self.episodes.scores(partials[t.ordinal]) for t in done]
-        else:
-            scores = self.scorer([(t, self._output(partials[t.ordinal])) for t in done])
-        self._scores.update({t.ordinal: s for t, s in zip(done, scores, strict=True)})
-        return Chunk(
-            start=start,
-            seconds=time.perf_counter() - start,
-            version=outputs[0].weights_version,
-            tickets=tickets,
-            token_starts=starts,
-            token_counts=counts,
-        )
-
-    def _output(self, partial: Partial) -> GenerationOutput:
-        """A finished partial as one engine output (padding after each sample's end)."""
-        tokens = torch.where(partial.mask, partial.tokens, self.pad_id)
-        used = partial.versions[partial.policy_mask]
-        version = int(used.max()) if used.numel() else 0
-        return GenerationOutput(tokens, partial.mask, partial.logprobs, version, partial.finished)
-
-    def _group(self, ticket: PromptTicket, partial: Partial, seconds: float) -> Group:
-        output = self._output(partial)
-        versions = torch.where(partial.policy_mask, partial.versions, -1)
-        scored = self._scores.pop(ticket.ordinal)
-        return make_group(
-            ticket,
-            self._prompt(ticket),
-            output,
-            scored.rewards,
-            seconds,
-            versions,
-            scored.components,
-            None if partial.policy is None else partial.policy_mask.clone(),
-        )

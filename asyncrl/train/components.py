@@ -3,7 +3,7 @@ algorithm, which engine and which backend (threads or Ray) a run uses."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -21,7 +21,7 @@ from asyncrl.models.device import DTYPES, place, resolve_device
 from asyncrl.models.lora import adapters_in_engine, apply_lora
 from asyncrl.models.policy import Policy, load_policy
 from asyncrl.models.threads import CoreShare
-from asyncrl.rollout.collector import Chunk, Collector
+from asyncrl.rollout.collector import Collector
 from asyncrl.rollout.engine import (
     EngineSpec,
     GenerationEngine,
@@ -31,6 +31,7 @@ from asyncrl.rollout.engine import (
 )
 from asyncrl.rollout.episodes import EpisodeRunner
 from asyncrl.rollout.evaluation import Evaluator, build_evaluator, task_reward_pool
+from asyncrl.rollout.rollouts import Chunk, EpisodeTurns, PassOptions, Rollout, SingleTurns
 from asyncrl.rollout.scorer import Scorer
 from asyncrl.rollout.weight_sync import CopyWeightSync, WeightSync
 from asyncrl.tasks.environments import environment_class
@@ -63,6 +64,9 @@ class Components:
     """With `eval.every_steps`: evaluates the weights the trainer publishes."""
     cores: CoreShare = field(default_factory=lambda: CoreShare(0))
     """The torch threads of generation and training (`run.share_cores`)."""
+    episodes: EpisodeRunner | None = None
+    """With `env.name`: what plays the episodes (its steps log, for the checkpoint and the
+    resume)."""
 
     def stop_generation(self) -> None:
         """Stops the collector: asks it to stop, stops the reward workers (a reward call that
@@ -181,27 +185,19 @@ def build_components(
     collector = Collector(
         ledger=ledger,
         buffer=buffer,
-        engine=engine,
-        prompts=prompts,
-        scorer=scorer.score,
-        num_generations=rollout.num_generations_per_prompt,
+        rollout=_rollout(config, engine, policy, prompts, scorer, episodes),
         window=rollout.max_trajectory_age_steps,
-        seed=config.run.seed,
         groups_per_batch=rollout.resolved_groups_per_batch,
         end_target=config.run.max_num_steps,
         on_batch=on_batch,
         pin_versions=config.run.deterministic,
         max_failures=rollout.max_generation_failures,
-        pad_id=policy.pad_id,
-        chunk_tokens=rollout.chunk_tokens,
-        mid_generation_updates=rollout.update_weights_mid_generation,
         weights=weights,
-        episodes=episodes,
         cores=cores,
     )
     return Components(
         policy, task, stream, ledger, buffer, weights, engine, collector, algo, scorer, shutdown,
-        evaluator, cores,
+        evaluator, cores, episodes,
     )  # fmt: skip
 
 
@@ -217,6 +213,30 @@ def core_share(config: Config) -> CoreShare:
         and config.train.num_processes == 1
     )
     return CoreShare(run.torch_threads, sharing)
+
+
+def _rollout(
+    config: Config,
+    engine: GenerationEngine,
+    policy: Policy,
+    prompts: Sequence[list[int]],
+    scorer: Scorer,
+    episodes: EpisodeRunner | None,
+) -> Rollout:
+    """How the collector drives a sample: a multi-turn episode with `env.name`, else a single
+    turn scored by the task's reward."""
+    rollout = config.rollout
+    options = PassOptions(
+        engine,
+        rollout.num_generations_per_prompt,
+        config.run.seed,
+        policy.pad_id,
+        rollout.chunk_tokens,
+        rollout.update_weights_mid_generation,
+    )
+    if episodes is not None:
+        return EpisodeTurns(options, episodes)
+    return SingleTurns(options, prompts, scorer.score)
 
 
 def _episode_runner(

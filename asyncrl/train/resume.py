@@ -38,7 +38,7 @@ def resume(trainer: Trainer) -> None:
     if run.latest is None:
         if trainer.attempt:
             print(f"asyncrl: no verified checkpoint; from step 0 (attempt {trainer.attempt})")
-            if (episodes := trainer.parts.collector.episodes) is not None:  # the steps asked
+            if (episodes := trainer.parts.episodes) is not None:  # the steps asked
                 episodes.log.load(0, lambda ordinal: True)  # before the kill: recovered
         return
     start = time.perf_counter()
@@ -70,7 +70,7 @@ def restore(trainer: Trainer, snapshot: Snapshot) -> ResumePlan:
     trainer.continued = continued_samples(saved, policy, restarts)
     ledger.apply(plan)
     buffer.discard(plan.discarded)
-    if (episodes := trainer.parts.collector.episodes) is not None:
+    if (episodes := trainer.parts.episodes) is not None:
         plan.turns_recovered = _recover_turns(trainer, episodes)
     trainer.publish_weights(trainer.step)
     return plan
@@ -161,7 +161,7 @@ def _start_over(trainer: Trainer) -> dict[str, bool]:
     """`episodes_start_over` for a multi-turn run's resume event: whether its episodes start
     over under new step ids (`restart_episode`, a `restart` environment); where they do not,
     `audit` holds every step to the ids the steps log knows it by."""
-    episodes = trainer.parts.collector.episodes
+    episodes = trainer.parts.episodes
     return {} if episodes is None else {"episodes_start_over": episodes.starts_over}
 
 

@@ -48,9 +48,10 @@ from asyncrl.core.types import Group
 from asyncrl.faults import cut_facts, fault_facts, fault_point
 from asyncrl.models.device import bound_onednn_cache, dtype_line, model_device
 from asyncrl.models.lora import check_base, checkpoint_part, save_final
-from asyncrl.rollout.collector import Chunk, GenerationFailed
+from asyncrl.rollout.collector import GenerationFailed
 from asyncrl.rollout.episodes import EpisodeRunner
 from asyncrl.rollout.evaluation import EvaluationGivenUp, eval_line, is_eval_record
+from asyncrl.rollout.rollouts import Chunk
 from asyncrl.train.components import build_components
 from asyncrl.train.kept import RolloutKeeper, held_by
 from asyncrl.train.preemption import (
@@ -128,8 +129,8 @@ class Trainer:
         self.rng = RNGState()
         self.step = 0
         self.attempt = run.attempt
-        if self.parts.collector.episodes is not None:  # its steps log names the attempt
-            self.parts.collector.episodes.log.attempt = self.attempt
+        if self.parts.episodes is not None:  # its steps log names the attempt
+            self.parts.episodes.log.attempt = self.attempt
         self.last_saved_step = -1
         self._wall_s: float | None = None  # `wall_s` of the last step record; a resume's offset
         self.continued: dict[int, tuple[list[int], list[bool]]] = {}
@@ -198,7 +199,7 @@ class Trainer:
         self.env_steps_offset = int(state.get("env_steps_offset") or 0)
 
     def _episodes(self) -> EpisodeRunner | None:
-        return self.parts.collector.episodes
+        return self.parts.episodes
 
     def capture(self) -> tuple[Cut, float]:
         """The run's consistent cut, staged into this trainer's reused buffers (the parts of
