@@ -170,8 +170,9 @@ def test_each_groups_rows_are_ordered_shortest_first_and_the_groups_stay_togethe
         ]
     ).bool()
     rows = torch.tensor([0, 1, 2, 6, 7, 8])
-    assert shortest_first(rows, mask, 3).tolist() == [1, 0, 2, 8, 6, 7]
-    assert shortest_first(rows[:0], mask, 3).tolist() == []
+    groups = torch.arange(9) // 3
+    assert shortest_first(rows, mask, groups).tolist() == [1, 0, 2, 8, 6, 7]
+    assert shortest_first(rows[:0], mask, groups).tolist() == []
 
 
 def test_grpos_passes_are_cut_from_rows_ordered_by_width(groups, monkeypatch):

@@ -62,7 +62,7 @@ def groups():
         with torch.no_grad():
             own, _ = completion_logprobs(
                 model,
-                [group.prompt_ids] * group.num_generations,
+                [group.prompt_ids] * group.num_rows,
                 group.completion_ids,
                 group.completion_mask,
                 1.0,

@@ -3,6 +3,12 @@ log-probs, AdamW at the step's scheduled learning rate (`algo.lr_schedule`). One
 step per training step over the step's N*G samples; an
 optional KL penalty to the reference policy and entropy bonus in the loss.
 
+Advantages are per sample ([N, G]); a sample with segments (`Group.row_samples`) trains each
+of its rows with its one advantage, and the loss is a token-level masked sum over every row
+of the step (segments included) over the step's one normaliser: with `token_mean` the trained
+tokens of all its rows (a segment's prompt tail is not trained, so not counted); with
+`sequence_mean` and `constant`, which count sequences, each row counts as one.
+
 The class is the template for critic-free algorithms: one that differs only in how it turns a
 group's rewards into advantages overrides `advantages` (RLOO does)."""
 
@@ -29,8 +35,10 @@ from asyncrl.algos.update import (
     apply_gradients,
     backward,
     batch_logprobs,
+    per_row,
     reference_dtype,
     regularise,
+    row_groups,
     select,
     shortest_first,
     stack_groups,
@@ -60,8 +68,8 @@ if TYPE_CHECKING:
 
 
 def varied_groups(rewards: torch.Tensor) -> torch.Tensor:
-    """[N] bool of the [N, G] `rewards`: the groups whose rewards are not all equal, those
-    `algo.skip_zero_variance_groups` trains."""
+    """[N] bool of the [N, G] `rewards` (one per sample): the groups whose rewards are not
+    all equal, those `algo.skip_zero_variance_groups` trains (every row of them)."""
     return rewards.std(dim=1, unbiased=False) > 0
 
 
@@ -100,43 +108,46 @@ class GRPO:
         self.schedule = StepSchedule(self.optimizer, config.algo, config.run.max_num_steps)
 
     def advantages(self, rewards: torch.Tensor) -> torch.Tensor:
-        """[N, G] rewards -> [N, G] advantages: `(r - mean) / (std + 1e-6)` per group, the std
-        as `algo.scale_rewards` says."""
+        """[N, G] rewards -> [N, G] advantages, one per sample: `(r - mean) / (std + 1e-6)`
+        per group, the std as `algo.scale_rewards` says."""
         return scaled_group_advantages(rewards, self.config.options.scale_rewards)
 
     def entropy_coef(self, advantages: torch.Tensor) -> float:
-        """The step's entropy-bonus weight: `algo.entropy_coef` (RLOO scales it)."""
+        """The step's entropy-bonus weight from its [N, G] per-sample `advantages`:
+        `algo.entropy_coef` (RLOO scales it)."""
         return self.config.entropy_coef
 
     def step(self, groups: list[Group], step: int) -> dict[str, float]:
         """One optimizer update on the step's groups, accumulated over micro-batches of
         `train.micro_batch_size` sequences; returns its metrics. With ranks, rank 0 computes
         the advantages and the normaliser, which need the whole batch, and sends each rank
-        its rows alone (`row_shares`); the others' `groups` are ignored."""
+        its rows alone (`row_shares`); the others' `groups` are ignored. Each row is trained
+        with its sample's advantage (`per_row`: a sample's segments all with the same)."""
         ranks = self.ranks
         batch: dict[str, Any] = {}
         shares = None
         if ranks.rank == 0:
             batch = to_device(stack_groups(groups, self.pad_id), self.device)
-            advantages = self.advantages(batch["rewards"]).reshape(-1, 1)  # [B, 1]
+            sample_advantages = self.advantages(batch["rewards"])  # [N, G]
+            advantages = per_row(sample_advantages, batch).unsqueeze(1)  # [B, 1]
             # every micro-batch's loss is a weighted sum over the step's one normaliser
             weights, normaliser = loss_weights(
                 batch["completion_mask"], self.config.loss_aggregation, self.max_new_tokens
             )
-            trained = self._trained_rows(batch["rewards"])
+            trained = self._trained_rows(batch)
             if self.micro_batch_size:  # passes cut from a group: its rows of like widths
                 trained = shortest_first(
                     torch.arange(len(batch["prompts"]), device=self.device)[trained],
                     token_mask(batch),
-                    batch["rewards"].shape[1],
+                    row_groups(batch),
                 )
-            per_row = {"advantages": advantages[trained]}
+            row_values = {"advantages": advantages[trained]}
             if weights is not batch["completion_mask"]:  # token_mean and constant: the mask
-                per_row["weights"] = weights[trained]
+                row_values["weights"] = weights[trained]
             shares = row_shares(
                 select(batch, trained),
-                per_row,
-                {"normaliser": normaliser, "entropy_coef": self.entropy_coef(advantages)},
+                row_values,
+                {"normaliser": normaliser, "entropy_coef": self.entropy_coef(sample_advantages)},
                 ranks.world_size,
             )
         share = to_device(received_share(ranks.scatter(shares)), self.device)
@@ -180,14 +191,14 @@ class GRPO:
             return {"loss": loss_total}  # the step's metrics are rank 0's to record
         return self._metrics(batch, step, loss_total, grad_norm, lr, stats, all_logprobs, trained)
 
-    def _trained_rows(self, rewards: torch.Tensor) -> torch.Tensor | slice:
-        """The rows of the step's [N, G] `rewards` that its passes train: all of them, or with
-        `algo.skip_zero_variance_groups` those of the groups whose rewards are not all equal
-        (ascending indices, so a group's rows stay together; `step` then orders each group's
-        rows by width, `shortest_first`)."""
+    def _trained_rows(self, batch: dict[str, Any]) -> torch.Tensor | slice:
+        """The rows of the stacked `batch` that the step's passes train: all of them, or with
+        `algo.skip_zero_variance_groups` every row (segments included) of the groups whose
+        [N, G] rewards are not all equal (ascending indices, so a group's rows stay together;
+        `step` then orders each group's rows by width, `shortest_first`)."""
         if not getattr(self.config.options, "skip_zero_variance_groups", False):
             return slice(None)
-        return varied_groups(rewards).repeat_interleave(rewards.shape[1]).nonzero().flatten()
+        return varied_groups(batch["rewards"])[row_groups(batch)].nonzero().flatten()
 
     def _metrics(
         self,
@@ -200,8 +211,11 @@ class GRPO:
         trainer_logprobs: torch.Tensor | None,
         trained: torch.Tensor | slice,
     ) -> dict[str, float]:
-        """The step's metrics (rank 0's): rewards and lengths over every sample; the loss
-        statistics and the engine/trainer mismatch over the trained rows."""
+        """The step's metrics (rank 0's): rewards (`reward_*`, `zero_variance_groups`) over
+        every sample, one value each whatever its rows; token counts and lengths
+        (`num_tokens`, `completion_len`: trained tokens per row) over every row, a sample's
+        segments each a row; the loss statistics and the engine/trainer mismatch over the
+        trained rows' tokens (`trained_rows` counts rows)."""
         rewards, mask = batch["rewards"], batch["completion_mask"]
         group_std = rewards.std(dim=1, unbiased=False)
         trained_mask = mask[trained]

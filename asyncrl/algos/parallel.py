@@ -4,8 +4,10 @@ implementation).
 
 With `train.num_processes = P` every rank holds the step's whole batch (rank 0 sends it; all
 of it is needed anyway for the one normaliser and the advantages) and trains a contiguous
-block of its rows: rank r gets rows `[r*B//P + min(r, B%P), ...)` of `B = N*G`, a pure
-function of (B, P, r), so each step's groups are split the same way whatever the timing.
+block of its rows: rank r gets rows `[r*B//P + min(r, B%P), ...)` of the step's B rows (`N*G`,
+or more where samples have segments: a block may cut a group or a sample's segments, each row
+carrying its own advantage and `row_samples`), a pure function of (B, P, r), so each step's
+groups are split the same way whatever the timing.
 Losses are masked sums over the step's global normaliser (rule 14), so the sum of the ranks'
 gradients — `torch.distributed` reduces them — is the one-process gradient.
 

@@ -3,7 +3,10 @@ policy's own log-probs at the start of the step (the proximal policy) with trunc
 importance weights for the off-policy lag, a clipped value loss, epochs over shuffled
 minibatches, critic warm-up, and the KL penalty and entropy bonus shared with GRPO.
 
-One training step, on the step's N*G samples:
+One training step, on the step's N*G samples (B rows: more than N*G where a sample has
+segments, `Group.row_samples`; each row is its own sequence for the critic and GAE, ending
+with its sample's reward on its last trained token, so every row of a sample is trained
+towards that sample's outcome):
 
     no_grad:  old_logp = policy(samples)       the proximal policy pi_old
               old_v    = critic(samples)       V(s_t) per completion token
@@ -35,6 +38,7 @@ from asyncrl.algos.update import (
     apply_gradients,
     backward,
     batch_logprobs,
+    per_row,
     reference_dtype,
     regularise,
     select,
@@ -259,7 +263,10 @@ class PPO:
     def step(self, groups: list[Group], step: int) -> dict[str, float]:
         """One training step (`ppo_epochs * num_minibatches` updates of the critic, and of the
         policy once past warm-up) on the step's groups, each update accumulated over
-        micro-batches of `train.micro_batch_size` sequences; returns its metrics."""
+        micro-batches of `train.micro_batch_size` sequences; returns its metrics: rewards
+        (`reward_mean`, `reward_std`) over the samples, one value each; `num_tokens`,
+        `completion_len` (trained tokens per row) and the value, return and advantage
+        statistics over every row's trained tokens, a sample's segments each a row."""
         with self.frozen_casts:  # LoRA: the frozen bases in bf16 for the step's passes
             return self._step(groups, step)
 
@@ -267,7 +274,7 @@ class PPO:
         cfg, opt = self.config, self.options
         groups = shared_groups(self.ranks, groups)  # every rank: minibatches draw from all rows
         batch = to_device(stack_groups(groups, self.pad_id), self.device)
-        rewards, mask = batch["rewards"], batch["completion_mask"]
+        rewards, mask = batch["rewards"], batch["completion_mask"]  # [N, G] per sample; [B, T]
         self.model.train()
         self.critic.train()
         train_policy = step >= opt.critic_warmup_steps
@@ -277,7 +284,7 @@ class PPO:
         if ref is not None and opt.kl_in_reward:
             penalty = cfg.kl_coef * kl_estimate(old_logprobs, ref, cfg.kl_estimator)
         advantages, returns, raw = ppo_advantages(
-            rewards.reshape(-1),
+            per_row(rewards, batch),  # [B]: each row's sample's reward
             old_values,
             mask,
             opt.gamma,

@@ -36,7 +36,7 @@ def pad_right(tensors: list[torch.Tensor], width: int, value: float | bool) -> t
 
 
 def token_versions(group: Group) -> torch.Tensor:
-    """[G, T]: the weights version that sampled each token (-1 where masked)."""
+    """[R, T]: the weights version that sampled each token (-1 where masked)."""
     if group.token_versions is not None:
         return group.token_versions
     versions = torch.full(group.completion_ids.shape, group.version_max, dtype=torch.long)
@@ -44,22 +44,54 @@ def token_versions(group: Group) -> torch.Tensor:
 
 
 def stack_groups(groups: list[Group], pad_id: int) -> dict[str, Any]:
-    """The step's samples as one batch: prompts (list of B rows), completion ids, mask,
-    behaviour log-probs and token versions [B, T], rewards [N, G]. `completion_mask` marks the
-    trained tokens; where episodes have environment tokens (not trained, but attended to),
-    `token_mask` marks every real token."""
+    """The step's samples as one batch of B rows (B = N*G, or more where samples have
+    segments: `Group.row_samples`): prompts (list of B rows), completion ids, mask, behaviour
+    log-probs and token versions [B, T], rewards [N, G] (one per sample), and `row_samples`
+    [B] int64, each row's sample as an index into the flattened rewards (`n*G + sample`;
+    `arange(B)` where no group has segments), so a per-sample value `x` [N, G] is per row as
+    `per_row(x, batch)`. `completion_mask` marks the trained tokens; where episodes (or
+    segments) have tokens that are attended to but not trained, `token_mask` marks every real
+    token. Every group must have the same G (a ValueError names the first that has not)."""
+    num_samples = groups[0].num_samples
+    for group in groups:
+        if group.num_samples != num_samples:
+            raise ValueError(
+                f"ordinal {group.ordinal} has {group.num_samples} samples, ordinal "
+                f"{groups[0].ordinal} {num_samples}: a step's groups must have the same G"
+            )
     width = max(g.completion_ids.shape[1] for g in groups)
     batch = {
         "token_versions": pad_right([token_versions(g) for g in groups], width, -1),
-        "prompts": [g.prompt_ids for g in groups for _ in range(g.num_generations)],
+        "prompts": [g.prompt_ids for g in groups for _ in range(g.num_rows)],
         "completion_ids": pad_right([g.completion_ids for g in groups], width, pad_id),
         "completion_mask": pad_right([g.policy_mask for g in groups], width, False),
         "behaviour_logprobs": pad_right([g.behaviour_logprobs for g in groups], width, 0.0),
         "rewards": torch.stack([g.rewards for g in groups]),
+        "row_samples": row_samples(groups, num_samples),
     }
     if any(g.loss_mask is not None for g in groups):
         batch["token_mask"] = pad_right([g.completion_mask for g in groups], width, False)
     return batch
+
+
+def row_samples(groups: list[Group], num_samples: int) -> torch.Tensor:
+    """[B] int64: each row's index into the step's flattened [N*G] samples."""
+    if all(g.row_samples is None for g in groups):
+        return torch.arange(len(groups) * num_samples)
+    return torch.cat([n * num_samples + g.row_sample_index() for n, g in enumerate(groups)])
+
+
+def per_row(values: torch.Tensor, batch: dict[str, Any]) -> torch.Tensor:
+    """[B]: a per-sample value of the step (`values` [N, G], an advantage or a reward) at each
+    of its B rows, through `batch["row_samples"]` (rows of one sample get the same value)."""
+    flat: torch.Tensor = values.reshape(-1)[batch["row_samples"]]
+    return flat
+
+
+def row_groups(batch: dict[str, Any]) -> torch.Tensor:
+    """[B] int64: the group (0..N-1) of each row of a stacked batch."""
+    groups: torch.Tensor = batch["row_samples"] // batch["rewards"].shape[1]
+    return groups
 
 
 def token_mask(batch: dict[str, Any]) -> torch.Tensor:
@@ -73,15 +105,21 @@ def to_device(batch: dict[str, Any], device: torch.device) -> dict[str, Any]:
     return {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
 
 
+ROW_KEYS = ("completion_ids", "completion_mask", "behaviour_logprobs", "token_mask", "row_samples")
+"""The per-row tensors of a stacked batch that `select` carries (`token_versions` stays whole:
+only the step's metrics read it)."""
+
+
 def select(batch: dict[str, Any], rows: torch.Tensor | slice) -> dict[str, Any]:
-    """The rows `rows` (indices or a slice) of a stacked batch: its per-sample tensors and
-    prompts. Rewards ([N, G], per group) are not per sample and are left out."""
+    """The rows `rows` (indices or a slice) of a stacked batch: its per-row tensors (with
+    `row_samples`, each row's index into the step's samples) and prompts. Rewards ([N, G],
+    per sample) are not per row and are left out."""
     if isinstance(rows, slice):
         prompts = batch["prompts"][rows]
     else:
         prompts = [batch["prompts"][i] for i in rows.tolist()]
     out: dict[str, Any] = {"prompts": prompts}
-    for key in ("completion_ids", "completion_mask", "behaviour_logprobs", "token_mask"):
+    for key in ROW_KEYS:
         if key in batch:
             out[key] = batch[key][rows]
     return out
@@ -93,19 +131,22 @@ def micro_batches(num_rows: int, micro_batch_size: int) -> list[slice]:
     return [slice(i, min(i + size, num_rows)) for i in range(0, num_rows, size)]
 
 
-def shortest_first(rows: torch.Tensor, mask: torch.Tensor, group_size: int) -> torch.Tensor:
-    """`rows` (a step's rows to train, each group's `group_size` rows together) with each
+def shortest_first(rows: torch.Tensor, mask: torch.Tensor, groups: torch.Tensor) -> torch.Tensor:
+    """`rows` (a step's rows to train, ascending, so each group's rows are together) with each
     group's rows ordered by the width their tokens reach in `mask` [B, T] (stably, the
-    shortest first), so that the micro-batches cut from a group hold rows of like widths: a
-    pass runs its rows up to its longest one (`used_width`), and in a 60-step SmolLM2 run in
-    passes of 4 rows this pads 1.17x the real completion tokens instead of 1.26x. The groups
-    stay in their order and together, so a pass still runs each prompt once."""
+    shortest first); `groups` [B] is each row's group (`row_groups`: nondecreasing, and a
+    group may have any number of rows, as where samples have segments). The micro-batches cut
+    from a group then hold rows of like widths: a pass runs its rows up to its longest one
+    (`used_width`), and in a 60-step SmolLM2 run in passes of 4 rows this pads 1.17x the real
+    completion tokens instead of 1.26x. The groups stay in their order and together, so a
+    pass still runs each prompt once."""
     if len(rows) == 0:
         return rows
     columns = torch.arange(1, mask.shape[1] + 1, device=mask.device)
-    widths = (mask[rows].bool() * columns).amax(dim=1).view(-1, group_size)
-    order = widths.argsort(dim=1, stable=True)
-    return rows.view(-1, group_size).gather(1, order).flatten()
+    widths = (mask[rows].bool() * columns).amax(dim=1)
+    # one stable sort by (group, width): widths are < T + 1
+    order = (groups[rows] * (mask.shape[1] + 1) + widths).argsort(stable=True)
+    return rows[order]
 
 
 class StepStats:

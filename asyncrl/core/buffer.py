@@ -142,6 +142,10 @@ def tokens_per_group(state: dict[str, Any]) -> dict[int, int]:
 
 
 def group_state(group: Group) -> dict[str, Any]:
+    """A group as a checkpoint's (and a rank broadcast's) state: JSON-able fields and tensors.
+    The optional tensors are there only when set, so a group without them is saved as it
+    was before they existed, and a state without them loads them as None (`row_samples`
+    included: no segments)."""
     versions = group.token_versions
     return {
         "ticket": vars(group.ticket).copy(),
@@ -155,6 +159,7 @@ def group_state(group: Group) -> dict[str, Any]:
         "generation_s": group.generation_s,
         **({} if versions is None else {"token_versions": versions.clone()}),
         **({} if group.loss_mask is None else {"loss_mask": group.loss_mask.clone()}),
+        **({} if group.row_samples is None else {"row_samples": group.row_samples.clone()}),
         **(
             {"reward_components": {k: v.clone() for k, v in group.reward_components.items()}}
             if group.reward_components
@@ -168,7 +173,7 @@ def group_from_state(item: dict[str, Any]) -> Group:
     fields["ticket"] = PromptTicket(**item["ticket"])
     for key in ("completion_ids", "completion_mask", "behaviour_logprobs", "rewards"):
         fields[key] = torch.as_tensor(item[key])
-    for key in ("token_versions", "loss_mask"):
+    for key in ("token_versions", "loss_mask", "row_samples"):
         if key in item:
             fields[key] = torch.as_tensor(item[key])
     if "reward_components" in item:

@@ -231,13 +231,16 @@ def resume_line(step: int, attempt: int, plan: ResumePlan) -> str:
 
 def tokens_digest(groups: list[Group]) -> str:
     """SHA-256 (first 16 hex digits) of the step's sampled tokens, in ordinal order: equal
-    digests mean the same completions were trained."""
+    digests mean the same completions were trained (with segments, `row_samples` too: the
+    same rows given to other samples would train other advantages)."""
     digest = hashlib.sha256()
     for group in groups:
         digest.update(group.completion_ids.numpy().tobytes())
         digest.update(group.completion_mask.numpy().tobytes())
         if group.loss_mask is not None:
             digest.update(group.loss_mask.numpy().tobytes())
+        if group.row_samples is not None:
+            digest.update(group.row_samples.numpy().tobytes())
     return digest.hexdigest()[:16]
 
 
@@ -246,7 +249,12 @@ def step_record(
 ) -> dict[str, Any]:
     """The `metrics.jsonl` record of a trained step (DESIGN.md's contract fields first; the
     trainer adds timing, buffer and engine fields): `metrics` are the algorithm's, with
-    `loss` and `reward_mean` among them."""
+    `loss` and `reward_mean` among them.
+
+    Where samples have segments (`Group.row_samples`), reward fields (`reward_mean`,
+    `reward_std`, `reward/NAME`, `zero_variance_groups`, `skipped_ordinals`) count each sample
+    once, and token fields (`num_tokens`, `completion_len`, `token_staleness_mean`,
+    `trained_rows`) count rows and their trained tokens, each segment a row."""
     rest = dict(metrics)
     return {
         "step": step,
@@ -278,7 +286,8 @@ def skipped_ordinals(groups: list[Group], metrics: dict[str, float]) -> dict[str
 
 def reward_components(groups: list[Group]) -> dict[str, float]:
     """`reward/NAME`: the mean of each named reward component over the step's samples that
-    have it (none when the reward function returns plain numbers)."""
+    have it, one value per sample whatever its rows (none when the reward function returns
+    plain numbers)."""
     totals: dict[str, list[float]] = {}
     for g in groups:
         for name, values in g.reward_components.items():
