@@ -84,6 +84,11 @@ EPISODE_POINTS = (
 )
 """Points of multi-turn runs (`env.name`) in the trainer's process
 (tests/test_episode_crash.py)."""
+AGENT_POINTS = (
+    "agent.call_logged",  # a pass's completions durable in the agent log, not yet answered
+    "agent.tool_ran",  # a journaled tool returned, its result not yet in the agent log
+)
+"""Points of agent runs (`agent.name`) in the trainer's process (tests/test_agent_crash.py)."""
 SERVER_POINTS = (
     "server.tokens_received",  # a token of a request's stream arrived from a vLLM server
 )
@@ -133,7 +138,9 @@ def parse(spec: str, var: str = "ASYNCRL_FAULT") -> tuple[Stage, ...]:
         if match is None:
             raise ValueError(f"{var}: {part!r} is not POINT[FACT,FACT=V]:N")
         point = match["point"]
-        points = POINTS + WORKER_POINTS + RANK_POINTS + EPISODE_POINTS + SERVER_POINTS
+        points = (
+            POINTS + WORKER_POINTS + RANK_POINTS + EPISODE_POINTS + AGENT_POINTS + SERVER_POINTS
+        )
         if point not in points:
             known = ", ".join(points)
             raise ValueError(f"{var}: unknown point {point!r}; known: {known}")

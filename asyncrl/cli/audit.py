@@ -32,6 +32,7 @@ from typing import Any
 
 import yaml
 
+from asyncrl.cli.audit_agents import audit_agent_log
 from asyncrl.core.episodes import parse_step_id
 from asyncrl.train.records import iter_jsonl, span_token_starts
 from asyncrl.train.rundir import read_run_id, records_version
@@ -45,6 +46,8 @@ class AuditReport:
     violations: list[str] = field(default_factory=list)
     num_env_steps: int | None = None
     """Environment steps the run's journals hold (None: no journal)."""
+    num_agent_calls: int | None = None
+    """Model calls the agent log holds (None: no agent log)."""
     step_texts: dict[str, str] = field(default_factory=dict)
     """Step id -> the hash of the text the steps log asked it with."""
 
@@ -202,6 +205,7 @@ def audit_run_dir(run_dir: Path) -> AuditReport:
     report.violations[:0] = [f"damaged record: {p}" for name in FILES for p in problems[name]]
     _audit_steps(run_dir, report, int((config.get("env") or {}).get("max_turns", 0)), strict)
     _audit_journals(run_dir / "env", report, read_run_id(run_dir))
+    report.num_agent_calls = audit_agent_log(run_dir, report.violations, strict)
     return report
 
 
@@ -384,8 +388,12 @@ def format_report(report: AuditReport, run_dir: Path, limit: int = 20) -> str:
         f"{report.num_resumes} resumes"
     )
     if report.ok:
-        steps = report.num_env_steps
-        return f"{head}: I1 ok, I3 ok" + (f", I9 ok ({steps} environment steps)" if steps else "")
+        steps, calls = report.num_env_steps, report.num_agent_calls
+        return (
+            f"{head}: I1 ok, I3 ok"
+            + (f", I9 ok ({steps} environment steps)" if steps else "")
+            + (f", I11 ok ({calls} agent calls)" if calls else "")
+        )
     lines = [f"{head}: {len(report.violations)} violations"]
     lines += [f"  {v}" for v in report.violations[:limit]]
     if len(report.violations) > limit:

@@ -9,6 +9,10 @@ from pathlib import Path
 
 import torch
 
+from asyncrl.agents.agent_log import AGENT_LOG, AgentLog
+from asyncrl.agents.context import load_agent
+from asyncrl.agents.runs import AgentRuns
+from asyncrl.agents.serving import AgentLimits
 from asyncrl.algos import algorithm_class
 from asyncrl.algos.base import Algorithm
 from asyncrl.algos.parallel import SINGLE, Ranks
@@ -21,6 +25,7 @@ from asyncrl.models.device import DTYPES, place, resolve_device
 from asyncrl.models.lora import adapters_in_engine, apply_lora
 from asyncrl.models.policy import Policy, load_policy
 from asyncrl.models.threads import CoreShare
+from asyncrl.rollout.chat_tokens import turn_end_id
 from asyncrl.rollout.collector import Collector
 from asyncrl.rollout.engine import (
     EngineSpec,
@@ -31,6 +36,7 @@ from asyncrl.rollout.engine import (
 )
 from asyncrl.rollout.episodes import EpisodeRunner
 from asyncrl.rollout.evaluation import Evaluator, build_evaluator, task_reward_pool
+from asyncrl.rollout.reward_pool import RewardPool
 from asyncrl.rollout.rollouts import Chunk, EpisodeTurns, PassOptions, Rollout, SingleTurns
 from asyncrl.rollout.scorer import Scorer
 from asyncrl.rollout.weight_sync import CopyWeightSync, WeightSync
@@ -67,6 +73,8 @@ class Components:
     episodes: EpisodeRunner | None = None
     """With `env.name`: what plays the episodes (its steps log, for the checkpoint and the
     resume)."""
+    agents: AgentRuns | None = None
+    """With `agent.name`: the agent runs (their log, for the checkpoint and the resume)."""
 
     def stop_generation(self) -> None:
         """Stops the collector: asks it to stop, stops the reward workers (a reward call that
@@ -154,7 +162,11 @@ def build_components(
     if rollout.backend == "threads":  # before the engine, evaluator and reference copy it
         cores.watch(policy.model)
     # a prompt the model cannot take is refused here, before any engine or worker starts
-    budget = "env.max_episode_tokens" if config.env.name else "rollout.max_new_tokens"
+    budget = (
+        "agent.max_tokens" if config.agent.name
+        else "env.max_episode_tokens" if config.env.name
+        else "rollout.max_new_tokens"
+    )  # fmt: skip
     prompts = encode_prompts(
         task, policy.tokenizer, config.generated_tokens, policy.max_seq_len, budget
     )
@@ -169,7 +181,8 @@ def build_components(
     local = scratch_dir if rollout.backend == "threads" else ""  # a Ray worker's is its node's
     episodes = _episode_runner(config, task, policy, run_dir)
     # an episode's assistant turn ends where its chat template ends one (`<|im_end|>`)
-    eos_id = episodes.eos_id if episodes else policy.eos_id
+    # (and an agent's call, where its template ends the turn)
+    eos_id = episodes.eos_id if episodes else _turn_end(config, policy)
     spec = _engine_spec(config, policy, local, eos_id, run_dir)
     buffer, weights, engine = _generation_backend(config, spec, shutdown)
     pool = task_reward_pool(task, rollout)
@@ -182,10 +195,13 @@ def build_components(
         Components.run_steps(shutdown)  # what the backend started, and the reward pool
         raise
     scorer = Scorer(task, policy.tokenizer, pool)
+    agents = _agent_runs(config, task, policy, engine, pool, eos_id, run_dir)
+    if agents is not None:
+        shutdown.append(agents.close)
     collector = Collector(
         ledger=ledger,
         buffer=buffer,
-        rollout=_rollout(config, engine, policy, prompts, scorer, episodes),
+        rollout=agents or _rollout(config, engine, policy, prompts, scorer, episodes),
         window=rollout.max_trajectory_age_steps,
         groups_per_batch=rollout.resolved_groups_per_batch,
         end_target=config.run.max_num_steps,
@@ -197,7 +213,7 @@ def build_components(
     )
     return Components(
         policy, task, stream, ledger, buffer, weights, engine, collector, algo, scorer, shutdown,
-        evaluator, cores, episodes,
+        evaluator, cores, episodes, agents,
     )  # fmt: skip
 
 
@@ -237,6 +253,54 @@ def _rollout(
     if episodes is not None:
         return EpisodeTurns(options, episodes)
     return SingleTurns(options, prompts, scorer.score)
+
+
+def _turn_end(config: Config, policy: Policy) -> int:
+    """Where generation stops a sample: an agent's call at its chat template's end of turn
+    (`<|im_end|>`), else the model's eos."""
+    if config.agent.name and getattr(policy.tokenizer, "chat_template", None):
+        return turn_end_id(policy.tokenizer, policy.eos_id)
+    return policy.eos_id
+
+
+def _agent_runs(
+    config: Config,
+    task: Task,
+    policy: Policy,
+    engine: GenerationEngine,
+    pool: RewardPool,
+    eos_id: int,
+    run_dir: str,
+) -> AgentRuns | None:
+    """With `agent.name`: the agent runs, their endpoint and their log (`RUN_DIR/
+    agent_calls.jsonl`)."""
+    agent = config.agent
+    if not agent.name:
+        return None
+    limits = AgentLimits(
+        agent.max_calls,
+        agent.max_tokens,
+        config.rollout.max_new_tokens,
+        agent.timeout_s,
+        agent.retries,
+        policy.max_seq_len,
+    )
+    return AgentRuns(
+        load_agent(agent.name),
+        agent.name,
+        task.examples,
+        policy.tokenizer,
+        eos_id,
+        engine,
+        config.rollout.num_generations_per_prompt,
+        config.run.seed,
+        limits,
+        AgentLog(Path(run_dir) / AGENT_LOG if run_dir else None),
+        pool,
+        agent.tool_parser,
+        config.run.deterministic,
+        read_run_id(Path(run_dir)) if run_dir else "",
+    )
 
 
 def _episode_runner(

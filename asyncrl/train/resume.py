@@ -6,6 +6,7 @@ it put back (`asyncrl.train.kept`), and the `resume` event that accounts for all
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from asyncrl.checkpoint.restore import SKIP_RESTORE, ShapeMismatch, load_parts
@@ -40,6 +41,7 @@ def resume(trainer: Trainer) -> None:
             print(f"asyncrl: no verified checkpoint; from step 0 (attempt {trainer.attempt})")
             if (episodes := trainer.parts.episodes) is not None:  # the steps asked
                 episodes.log.load(0, lambda ordinal: True)  # before the kill: recovered
+            _replay_agents(trainer, 0, lambda ordinal: True)
         return
     start = time.perf_counter()
     refuse_other_data(run, trainer.parts.stream, trainer.state_dict(), trainer.config)  # I8
@@ -72,6 +74,11 @@ def restore(trainer: Trainer, snapshot: Snapshot) -> ResumePlan:
     buffer.discard(plan.discarded)
     if (episodes := trainer.parts.episodes) is not None:
         plan.turns_recovered = _recover_turns(trainer, episodes)
+    queued = {t.ordinal for t in ledger.redispatch}
+    cursor = trainer.parts.stream.cursor  # ordinals from here were not handed out yet
+    trainer.agent_replay = _replay_agents(
+        trainer, trainer.agent_log_offset, lambda k: k in queued or k >= cursor
+    )
     trainer.publish_weights(trainer.step)
     return plan
 
@@ -81,7 +88,8 @@ def _put_back_kept(trainer: Trainer, plan: ResumePlan) -> dict[str, Any] | None:
     into the ledger (single-turn runs: multi-turn ones recover from the steps log); the
     resume plan and the continued samples count them. Returns the resume event's account."""
     ledger, buffer = trainer.parts.ledger, trainer.parts.buffer
-    if trainer.config.env.name or plan.policy != "lossless" or "ledger" in SKIP_RESTORE:
+    no_keeping = trainer.config.env.name or trainer.config.agent.name
+    if no_keeping or plan.policy != "lossless" or "ledger" in SKIP_RESTORE:
         return None
     held = held_by({"buffer": buffer.state_dict(), "ledger": ledger.state_dict()})
     trainer.keeper.restored(trainer.step, held)
@@ -138,6 +146,29 @@ def _recover_turns(trainer: Trainer, episodes: EpisodeRunner) -> int:
     return len(episodes.logged_steps() - set(trainer.recorded_steps))
 
 
+def _replay_agents(
+    trainer: Trainer, offset: int, reopened: Callable[[int], bool]
+) -> dict[str, int]:
+    """Agent runs: the agent log read from `offset` for the ordinals the run opens again,
+    whose runs start over and are answered from it; the resume event's account of what the
+    log holds (an `agent_replay` event says what the replay did once they all landed)."""
+    agents = trainer.parts.agents
+    if agents is None:
+        return {}
+    if "agent_log" in SKIP_RESTORE:  # the test switch: every call generated again
+        return {}
+
+    def replayed(**counts: int) -> None:
+        trainer.logs.events.emit("agent_replay", attempt=trainer.attempt, **counts)
+
+    pending = agents.load_log(offset, reopened, replayed)
+    return {
+        "agent_calls_replayed": pending["replayable"],
+        "agent_calls_regenerated": pending["regenerated"],
+        "tool_calls_repeated": pending["tools_repeated"],
+    }
+
+
 def _decode_latest(trainer: Trainer, latest: Verified) -> Snapshot:
     """The checkpoint's parts: the only read of its tensors (with ranks, every rank reads its
     own rows at the same time and rank 0 only what it restores itself)."""
@@ -187,6 +218,7 @@ def _record_resume(
         **plan_fields(plan, trainer.continued, episodes=bool(config.env.name)),
         **({"recorded_steps": trainer.recorded_steps} if config.env.name else {}),
         **_start_over(trainer),
+        **trainer.agent_replay,
         **({} if kept is None else {"kept_rollouts": kept}),
         rejected_checkpoints=run.rejected,
         config_changes={**benign_differences(saved_config, config), **run.notes},

@@ -131,12 +131,16 @@ class Trainer:
         self.attempt = run.attempt
         if self.parts.episodes is not None:  # its steps log names the attempt
             self.parts.episodes.log.attempt = self.attempt
+        if self.parts.agents is not None:  # so does the agent log
+            self.parts.agents.log.attempt = self.attempt
         self.last_saved_step = -1
         self._wall_s: float | None = None  # `wall_s` of the last step record; a resume's offset
         self.continued: dict[int, tuple[list[int], list[bool]]] = {}
         self.recorded_steps: list[str] = []
         self._cut_steps: list[str] | None = None
         self.env_steps_offset = 0
+        self.agent_log_offset = 0
+        self.agent_replay: dict[str, int] = {}  # the resume event's account of the agent log
         self._start_s = time.perf_counter()
         self.staging = StagingArea(
             {"auto": None, "keep": True, "release": False}[config.checkpoint.staging_buffer]
@@ -153,9 +157,14 @@ class Trainer:
         progress), `skipped` (one due after it), with its `evaluation_version`."""
         self.keeper = RolloutKeeper(self.run_dir / "checkpoints", run.run_id)
         """Groups trained since the newest verified checkpoint, for a notice's kept rollouts."""
-        self.keeps = not config.env.name and config.checkpoint.resume_policy == "lossless"
+        self.keeps = (
+            not config.env.name
+            and not config.agent.name
+            and config.checkpoint.resume_policy == "lossless"
+        )
         """Whether a notice whose checkpoint does not fit keeps rollouts (single-turn,
-        `lossless`: multi-turn runs recover their turns from the steps log)."""
+        `lossless`: multi-turn runs recover their turns from the steps log, agent runs replay
+        from the agent log)."""
         self.writer = CheckpointWriter(
             run.store, config_hash(config), config.checkpoint.keep_last, self._saved
         )
@@ -188,6 +197,8 @@ class Trainer:
             "base_sha256": self.parts.policy.base_sha256,  # None without LoRA
             # where a resume reads the steps log from: the steps this cut may not hold
             "env_steps_offset": episodes.log.log_mark if (episodes := self._episodes()) else None,
+            # and the agent log from: the first record of an ordinal not yet in the buffer
+            "agent_log_offset": agents.log.mark() if (agents := self.parts.agents) else None,
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -197,6 +208,7 @@ class Trainer:
         if state.get("wall_s") is not None:  # else (older checkpoints) the records are scanned
             self._wall_s = float(state["wall_s"])
         self.env_steps_offset = int(state.get("env_steps_offset") or 0)
+        self.agent_log_offset = int(state.get("agent_log_offset") or 0)
 
     def _episodes(self) -> EpisodeRunner | None:
         return self.parts.episodes
@@ -340,6 +352,7 @@ class Trainer:
             generation_failures=self.parts.collector.num_failures,
             reward_failures=self.parts.scorer.num_failures,
             **self.parts.engine.metrics(),
+            **(self.parts.agents.metrics() if self.parts.agents else {}),
             wait_s=train_start - wait_start,
             train_s=trained - train_start,
             sync_s=time.perf_counter() - trained - evaluated.get("eval/seconds", 0.0),
