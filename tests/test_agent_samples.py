@@ -28,8 +28,14 @@ def test_a_call_that_continues_the_messages_continues_the_sample_with_the_exact_
     m1 = [{"role": "user", "content": "abc"}]
     first = s.open_chat(m1, None, fake_render, fake_reply)
     assert first.new_segment and first.prompt_ids == [3, 99]
-    s.record(first, [50, 51, 2], [-0.5, -0.6, -0.7], 4, True, m1, {"role": "assistant", "content": "xy"})
-    m2 = [*m1, {"role": "assistant", "content": "xy", "refusal": None}, {"role": "user", "content": "hello"}]
+    s.record(
+        first, [50, 51, 2], [-0.5, -0.6, -0.7], 4, True, m1, {"role": "assistant", "content": "xy"}
+    )
+    m2 = [
+        *m1,
+        {"role": "assistant", "content": "xy", "refusal": None},
+        {"role": "user", "content": "hello"},
+    ]
     second = s.open_chat(m2, None, fake_render, fake_reply)
     # the completion as sampled (50 51 2), not the rendering of "xy"; then the reply's tokens
     assert not second.new_segment and second.prompt_ids == [3, 99, 50, 51, 2, 5, 99]
@@ -65,8 +71,11 @@ def test_canonical_messages_ignore_client_fields_and_argument_encoding():
     a = {"role": "assistant", "content": None, "refusal": None,
          "tool_calls": [{"id": "c1", "type": "function",
                          "function": {"name": "f", "arguments": '{"x": 1}'}}]}  # fmt: skip
-    b = {"role": "assistant", "content": "",
-         "tool_calls": [{"type": "function", "function": {"name": "f", "arguments": {"x": 1}}}]}
+    b = {
+        "role": "assistant",
+        "content": "",
+        "tool_calls": [{"type": "function", "function": {"name": "f", "arguments": {"x": 1}}}],
+    }
     assert canonical(a) == canonical(b)
     c = json.loads(json.dumps(b))
     c["tool_calls"][0]["function"]["arguments"] = {"x": 2}
