@@ -125,6 +125,9 @@ def test_killed_mid_call_and_mid_tool_a_deterministic_agent_run_is_bitwise_the_s
     resumes = [e for e in read_records(run / "events.jsonl") if e["event"] == "resume"]
     assert len(resumes) == len(FAULTS)
     assert sum(r["agent_calls_replayed"] for r in resumes) > 0, resumes
+    replays = [e for e in read_records(run / "events.jsonl") if e["event"] == "agent_replay"]
+    assert replays and sum(e["agent_calls_replayed"] for e in replays) > 0, replays
+    assert all(e["agent_calls_diverged"] == 0 for e in replays)  # a deterministic agent
     # the tool acted at most once more per kill (only one cut off between acting and logging)
     assert tool_repeats(run) <= len(FAULTS)
     assert sum(r["tool_calls_repeated"] for r in resumes) == tool_repeats(run)

@@ -170,6 +170,7 @@ def test_a_run_that_diverges_from_the_log_goes_live_from_there_and_is_counted(
         first.close()
     monkeypatch.setenv("ODD_AGENT_DIVERGE", "1")
     log = AgentLog(log_path)
+    log.attempt = 1
     log.load(0, lambda ordinal: True)
     second = agent_runs(tok, "odd_agents:wavering", log)
     try:
@@ -179,6 +180,14 @@ def test_a_run_that_diverges_from_the_log_goes_live_from_there_and_is_counted(
     c = second.counts
     assert (c.calls_replayed, c.calls_diverged, c.calls_generated) == (3, 3, 3)
     assert audit_agent_log(tmp_path, violations := []) == 6 and not violations
+    # the launch's own account (its agent_replay event) is checked against the log
+    said = {"event": "agent_replay", "attempt": 1, "tool_calls_repeated": 0}
+    audit_agent_log(tmp_path, violations := [], events=[{**said, "agent_calls_diverged": 3}])
+    assert not violations
+    audit_agent_log(tmp_path, violations := [], events=[{**said, "agent_calls_diverged": 2}])
+    assert violations == [
+        "I11: attempt 1's agent_replay says agent_calls_diverged=2, the agent log 3"
+    ]
     # negative control: a completion generated again without a divergence is a violation
     lines = log_path.read_text().splitlines()
     log_path.write_text(

@@ -205,7 +205,8 @@ def audit_run_dir(run_dir: Path) -> AuditReport:
     report.violations[:0] = [f"damaged record: {p}" for name in FILES for p in problems[name]]
     _audit_steps(run_dir, report, int((config.get("env") or {}).get("max_turns", 0)), strict)
     _audit_journals(run_dir / "env", report, read_run_id(run_dir))
-    report.num_agent_calls = audit_agent_log(run_dir, report.violations, strict)
+    agent_events = list(iter_jsonl(run_dir / "events.jsonl", [], strict))
+    report.num_agent_calls = audit_agent_log(run_dir, report.violations, strict, agent_events)
     return report
 
 
