@@ -53,8 +53,8 @@ def up_to_version(partial: Partial, version: int) -> Partial:
 
 def group_partial(group: Group) -> Partial:
     """A finished single-turn group as the partial it was before it landed."""
-    if group.loss_mask is not None:
-        raise ValueError(f"ordinal {group.ordinal} is a multi-turn group")
+    if group.loss_mask is not None or group.row_samples is not None:
+        raise ValueError(f"ordinal {group.ordinal} is a multi-turn or agent group")
     mask = group.completion_mask
     versions = group.token_versions
     if versions is None:  # a group restored from a checkpoint older than token versions
