@@ -8,7 +8,7 @@ RUN_DIR ?= runs/demo-$(NOW)
 # a demo's run dir: RUN_DIR when given (command line or environment), else runs/NAME-TIME
 demo_dir = $(if $(filter command line environment,$(origin RUN_DIR)),$(RUN_DIR),runs/$(1)-$(NOW))
 
-.PHONY: setup demo math-demo smol-demo multi-turn-demo calculator-demo ppo-demo rloo-demo test test-fast lint bench bench-algos bench-ray bench-scale bench-lora bench-lora-curve bench-vllm-lora bench-deferral bench-reward bench-engines bench-records bench-rank-messages bench-agents bench-smol bench-calculator bench-floor bench-attention bench-preemption bench-ray-drain bench-servers gpu-check chaos docs clean
+.PHONY: setup demo math-demo smol-demo multi-turn-demo calculator-demo agent-demo ppo-demo rloo-demo test test-fast lint bench bench-algos bench-ray bench-scale bench-lora bench-lora-curve bench-vllm-lora bench-deferral bench-reward bench-engines bench-records bench-rank-messages bench-agents bench-smol bench-calculator bench-floor bench-attention bench-preemption bench-ray-drain bench-servers gpu-check chaos docs clean
 
 setup: $(STAMP)
 
@@ -52,6 +52,14 @@ multi-turn-demo: setup
 calculator-demo: setup
 	$(BIN)/python -m asyncrl.examples.smol_math data/smol_math
 	$(BIN)/asyncrl train configs/calculator_tool.yaml --run-dir $(call demo_dir,calculator-demo)
+
+# agent runs (docs/agents.md): an OpenAI Agents SDK agent with a calculator tool against the
+# run's own endpoint, a tiny Qwen2 warm-started to call it in part of its runs, written into
+# data/agent_math first (offline); then reward and tool-call share, first quarter -> last
+agent-demo: setup
+	$(BIN)/python -m asyncrl.examples.agent_math data/agent_math
+	$(BIN)/asyncrl train configs/agent_demo.yaml --run-dir $(call demo_dir,agent-demo)
+	$(BIN)/python -m asyncrl.examples.agent_report $(call demo_dir,agent-demo)
 
 ppo-demo: setup
 	$(BIN)/asyncrl train configs/ppo_demo.yaml --run-dir $(call demo_dir,ppo-demo)
