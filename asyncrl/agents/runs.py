@@ -434,8 +434,11 @@ class AgentRuns:
         rewards = self._rewards(states)
         self.counts.runs_ended_by_limit += sum(bool(s.limit) for s in states)
         self.counts.runs_calling_tools += sum(s.called_tools for s in states)
+        self.counts.runs_landed += len(states)
         try:
-            return group_of(states[0].ticket, [s.tokens.segments for s in states], rewards)
+            group = group_of(states[0].ticket, [s.tokens.segments for s in states], rewards)
+            group.generation_s = time.perf_counter() - min(s.started for s in states)
+            return group
         except NoOpening as err:
             raise RolloutFatal(f"agent {self.agent_name}: {err}") from err
 

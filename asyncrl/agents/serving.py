@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import threading
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -47,6 +48,8 @@ class AgentCounts:
     runs_failed: int = 0
     runs_ended_by_limit: int = 0
     runs_calling_tools: int = 0
+    runs_landed: int = 0
+    """Runs of the groups that landed (`runs` counts those started, a window ahead)."""
     tools: ToolCounts = field(default_factory=ToolCounts)
 
     def metrics(self) -> dict[str, float]:
@@ -60,6 +63,7 @@ class AgentCounts:
             "agent/runs_failed": self.runs_failed,
             "agent/runs_ended_by_limit": self.runs_ended_by_limit,
             "agent/runs_calling_tools": self.runs_calling_tools,
+            "agent/runs_landed": self.runs_landed,
             "agent/tools_executed": self.tools.executed,
             "agent/tools_replayed": self.tools.replayed,
             "agent/tools_repeated": self.tools.repeated,
@@ -95,6 +99,8 @@ class RunState:
     lock: asyncio.Lock | None = None
     future: concurrent.futures.Future[Any] | None = None
     ctx: AgentContext | None = None
+    started: float = field(default_factory=time.perf_counter)
+    """When the run (its try) started: a group's `generation_s` is from its first."""
 
 
 class AgentServer:
