@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import secrets
+import ssl
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -115,6 +116,7 @@ class AgentRuns:
         self.secret = secrets.token_urlsafe(24)
         self._endpoint: Any = None
         self._agents: _Loop | None = None
+        self._tls: ssl.SSLContext | None = None  # the runs' clients share it
         self._replaying: set[int] = set()  # ordinals the loaded log holds, not yet landed
         self._on_replayed: Callable[..., None] | None = None
 
@@ -229,11 +231,14 @@ class AgentRuns:
         import openai  # the agent's client: agent runs only
 
         assert self._endpoint is not None and state.ctx is not None
+        if self._tls is None:  # made once: each client making its own costs ~20 ms a run
+            self._tls = ssl.create_default_context()
         client = openai.AsyncOpenAI(
             base_url=self._endpoint.base_url(state.key),
             api_key=self.secret,
             max_retries=0,
             timeout=self.limits.timeout_s,
+            http_client=openai.DefaultAsyncHttpxClient(verify=self._tls),
         )
         try:
             return await asyncio.wait_for(
