@@ -163,7 +163,7 @@ bench-rank-messages: setup
 # agent runs over the endpoint against the engine alone: endpoint/direct tokens/s at the demo's
 # and SmolLM2's shapes, the endpoint's ms per call, calls/s replayed from the agent log (~3 min)
 bench-agents: setup
-	$(BIN)/python benchmarks/agents.py
+	$(BIN)/python benchmarks/agent_runs.py
 
 chaos: setup
 	$(BIN)/python benchmarks/chaos.py --trials 200

@@ -30,7 +30,8 @@ THROUGHPUT = re.compile(
 def test_the_quick_bench_prints_each_figure_positive_and_finite(tmp_path_factory, repo_root):
     data = built_once(tmp_path_factory, "math_chat", prepare)
     done = subprocess.run(
-        [sys.executable, str(repo_root / "benchmarks/agents.py"), "--quick", "--data", str(data)],
+        [sys.executable, str(repo_root / "benchmarks/agent_runs.py"), "--quick", "--data",
+         str(data)],
         capture_output=True, text=True, timeout=300, cwd=repo_root,
     )  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]

@@ -48,7 +48,9 @@ from asyncrl.tasks.examples import Example
 from asyncrl.tasks.reward_calls import RewardFailure
 
 GATHER_S = 0.02
-"""Once a call is pending, how long a pass waits for the other runs' calls at most."""
+GATHER_MAX_S = 0.1
+"""Once a call is pending, a pass waits for the other live runs' calls while they keep
+arriving (`GATHER_S` after the last one), `GATHER_MAX_S` in all at most."""
 
 
 def agent_seed(seed: int, ordinal: int, sample: int) -> int:
@@ -255,9 +257,12 @@ class AgentRuns:
         with server.cond:
             if not server.pending and server.events == seen:
                 server.cond.wait(0.1)
-            deadline = time.perf_counter() + GATHER_S
+            first = last = time.perf_counter()
+            arrived = len(server.pending)
             while server.pending and len(server.pending) < live and not self.deterministic:
-                left = deadline - time.perf_counter()
+                if len(server.pending) != arrived:  # calls still arriving: the window goes on
+                    arrived, last = len(server.pending), time.perf_counter()
+                left = min(first + GATHER_MAX_S, last + GATHER_S) - time.perf_counter()
                 if left <= 0:
                     break
                 server.cond.wait(left)

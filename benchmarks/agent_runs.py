@@ -1,8 +1,8 @@
 """Agent runs against the engine alone (issue #64): what the run's OpenAI-compatible endpoint
 costs, measured side by side in one process.
 
-    .venv/bin/python benchmarks/agents.py            # `make bench-agents`
-    .venv/bin/python benchmarks/agents.py --quick    # the demo shape only, one round (the test)
+    .venv/bin/python benchmarks/agent_runs.py            # `make bench-agents`
+    .venv/bin/python benchmarks/agent_runs.py --quick    # the demo shape only, one round (the test)
 
 1. Throughput. Per shape, N prompts x G samples as N*G agent runs of `one_call` (one
    `client.chat.completions.create` with its example's messages, over HTTP, through
@@ -43,7 +43,7 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
-AGENT = "benchmarks.agents:one_call"
+AGENT = "benchmarks.agent_runs:one_call"
 """The throughput's agent, loaded as a run loads `agent.name` (the repository root on sys.path)."""
 
 
@@ -401,5 +401,5 @@ def main(argv: list[str] | None = None) -> None:
 
 if __name__ == "__main__":
     if str(ROOT) not in sys.path:
-        sys.path.insert(0, str(ROOT))  # `benchmarks.agents:one_call` loads as `agent.name` does
+        sys.path.insert(0, str(ROOT))  # `benchmarks.agent_runs:one_call` loads as `agent.name` does
     main()
