@@ -63,10 +63,6 @@ def call_noise_seed(seed: int, ordinal: int, sample: int, attempt: int, call: in
     return derived_seed("asyncrl-agent-call", seed, ordinal, sample, attempt, call)
 
 
-class AgentFailed(RuntimeError):
-    """An agent run raised, timed out or never called the model."""
-
-
 class _Loop:
     """An asyncio event loop on a daemon thread of its own."""
 

@@ -8,14 +8,20 @@ from __future__ import annotations
 import os
 
 
-def count_letters(text: str, idempotency_key: str = "") -> int:
-    """The tool: executions are appended to the journal, keyed as the run keys them."""
+def record_execution(idempotency_key: str) -> None:
+    """A tool's own journal (`AGENT_TOOL_JOURNAL`): one line per execution, keyed as the run
+    keys the call."""
     journal = os.environ.get("AGENT_TOOL_JOURNAL")
     if journal:
         with open(journal, "a") as f:
             f.write(idempotency_key + "\n")
             f.flush()
             os.fsync(f.fileno())
+
+
+def count_letters(text: str, idempotency_key: str = "") -> int:
+    """The tool: every execution journaled."""
+    record_execution(idempotency_key)
     return sum(c.isalpha() for c in text)
 
 

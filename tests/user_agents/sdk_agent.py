@@ -3,8 +3,6 @@
 
 from __future__ import annotations
 
-import os
-
 from agents import (
     Agent,
     ModelSettings,
@@ -13,17 +11,13 @@ from agents import (
     function_tool,
     set_tracing_disabled,
 )
+from loop_agent import record_execution
 
 set_tracing_disabled(True)
 
 
 def evaluate(expression: str, idempotency_key: str = "") -> str:
-    journal = os.environ.get("AGENT_TOOL_JOURNAL")
-    if journal:
-        with open(journal, "a") as f:
-            f.write(idempotency_key + "\n")
-            f.flush()
-            os.fsync(f.fileno())
+    record_execution(idempotency_key)
     allowed = set("0123456789+-*/(). ")
     if not expression or set(expression) - allowed:
         return "error"
