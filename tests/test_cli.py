@@ -31,7 +31,7 @@ FROZEN_CONFIG_KEYS = [
     "data.answer_key", "data.system_prompt", "data.apply_chat_template", "data.reward_fn",
     "data.format_reward", "data.num_digits", "data.num_examples",
     "env.name", "env.max_turns", "env.max_episode_tokens",
-    "agent.name", "agent.max_calls", "agent.max_tokens", "agent.timeout_s", "agent.retries",
+    "agent.name", "agent.args", "agent.max_calls", "agent.max_tokens", "agent.timeout_s", "agent.retries",
     "agent.tool_parser",
     "rollout.num_prompts_per_step", "rollout.num_generations_per_prompt",
     "rollout.max_new_tokens", "rollout.temperature", "rollout.max_trajectory_age_steps",

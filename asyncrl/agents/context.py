@@ -31,6 +31,8 @@ def load_agent(name: str) -> AgentFn:
     """`agent.name`'s `module:function` (an `async def run(client, example, ctx)`) or
     `module:Class` (a class with `async def run(self, client, example, ctx)`, one instance a
     run); one that does not resolve is a `ConfigError` naming `agent.name`."""
+    if name.startswith("verifiers:"):
+        raise ConfigError(f"agent.name: {name} is loaded by asyncrl.agents.verifiers_env")
     module, _, attr = name.partition(":")
     try:
         target = getattr(importlib.import_module(module), attr)
@@ -68,6 +70,18 @@ class ToolCounts:
 
 
 @dataclass
+class ToolCall:
+    """One journaled tool call (`AgentContext.tool_begin`)."""
+
+    key: str
+    name: str
+    digest: str
+    replayed: bool = False
+    result: Any = None
+    """The recorded result, where `replayed`."""
+
+
+@dataclass
 class AgentContext:
     """One agent run's `ctx`."""
 
@@ -88,29 +102,14 @@ class AgentContext:
         """Runs `fn(*args, **kwargs)` (awaited if it is a coroutine) through the journal: the
         recorded result where the log holds this call (same name and arguments), else the
         tool runs, its call and result logged. The result must be JSON (it is logged)."""
-        key = tool_key(self.ordinal, self.sample, self.attempt, self._calls)
-        self._calls += 1
-        digest = hashlib.sha256(
-            json.dumps([name, args, kwargs], sort_keys=True, default=repr).encode()
-        ).hexdigest()[:32]
-        logged = self.log.tools.get(key) if self.replaying else None
-        if logged is not None and logged.get("hash") == digest:
-            self.counts.replayed += 1
-            return logged["result"]
-        if logged is not None:
-            self.counts.diverged += 1
-            self.replaying = False
-        if key in self.log.tools_begun:
-            self.counts.repeated += 1
-        self.log.append({"kind": "tool_begun", "key": key, "name": name, "hash": digest})
-        self.log.sync()
+        call = self.tool_begin(name, [args, kwargs])
+        if call.replayed:
+            return call.result
         if "idempotency_key" in inspect.signature(fn).parameters:
-            kwargs = {**kwargs, "idempotency_key": idempotency_key(self.run_id, key)}
+            kwargs = {**kwargs, "idempotency_key": idempotency_key(self.run_id, call.key)}
         result = fn(*args, **kwargs)
         if inspect.isawaitable(result):
             result = await result
-        self.counts.executed += 1
-        fault_point("agent.tool_ran")
         try:
             json.dumps(result)
         except (TypeError, ValueError) as err:
@@ -118,11 +117,43 @@ class AgentContext:
                 f"ctx.tool({name!r}): its result must be JSON (it is logged, and replayed "
                 f"after a kill): {err}"
             ) from err
-        self.log.append(
-            {"kind": "tool", "key": key, "name": name, "hash": digest, "result": result}
-        )
-        self.log.sync()
+        self.tool_done(call, result)
         return result
+
+    def tool_begin(self, name: str, arguments: list[Any]) -> ToolCall:
+        """The journal's first half, for tools that run elsewhere (a verifiers toolset's
+        server): the call's key and, where the log holds this call with the same name and
+        `arguments` (a list: `ctx.tool`'s is `[args, kwargs]`), its recorded result
+        (`replayed`). Otherwise the call is logged as begun (durably) and the caller runs the
+        tool, then hands its result to `tool_done`."""
+        key = tool_key(self.ordinal, self.sample, self.attempt, self._calls)
+        self._calls += 1
+        digest = hashlib.sha256(
+            json.dumps([name, *arguments], sort_keys=True, default=repr).encode()
+        ).hexdigest()[:32]
+        logged = self.log.tools.get(key) if self.replaying else None
+        if logged is not None and logged.get("hash") == digest:
+            self.counts.replayed += 1
+            return ToolCall(key, name, digest, replayed=True, result=logged["result"])
+        if logged is not None:
+            self.counts.diverged += 1
+            self.replaying = False
+        if key in self.log.tools_begun:
+            self.counts.repeated += 1
+        self.log.append({"kind": "tool_begun", "key": key, "name": name, "hash": digest})
+        self.log.sync()
+        return ToolCall(key, name, digest)
+
+    def tool_done(self, call: ToolCall, result: Any) -> None:
+        """The journal's second half: the tool `tool_begin` let run has run; its `result`
+        (JSON) is logged, durably, before the run goes on."""
+        self.counts.executed += 1
+        fault_point("agent.tool_ran")
+        self.log.append(
+            {"kind": "tool", "key": call.key, "name": call.name, "hash": call.digest,
+             "result": result}
+        )  # fmt: skip
+        self.log.sync()
 
     def journaled(self, name: str, fn: Callable[..., Any]) -> Callable[..., Awaitable[Any]]:
         """`fn` as a coroutine function that runs through `tool` (for frameworks that take a

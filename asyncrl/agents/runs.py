@@ -45,7 +45,7 @@ from asyncrl.rollout.engine import GenerationEngine, GenerationRequest
 from asyncrl.rollout.reward_pool import RewardJob, RewardPool
 from asyncrl.rollout.rollouts import Chunk, Landing, RolloutFatal
 from asyncrl.tasks.examples import Example
-from asyncrl.tasks.reward_calls import RewardFailure
+from asyncrl.tasks.reward_calls import GroupScores, RewardFailure, collect_scores
 
 GATHER_S = 0.02
 GATHER_MAX_S = 0.1
@@ -168,6 +168,13 @@ class AgentRuns:
             self._endpoint.stop()
             self._endpoint = None
         if self._agents is not None:
+            aclose = getattr(self.agent, "aclose", None)
+            if aclose is not None:  # the agent's own resources (a verifiers env's servers)
+                done = asyncio.run_coroutine_threadsafe(aclose(), self._agents.loop)
+                try:
+                    done.result(30.0)
+                except Exception:  # closing goes on; the loop ends anyway
+                    done.cancel()
             self._agents.close()
             self._agents = None
         self.log.close()
@@ -390,8 +397,11 @@ class AgentRuns:
         if err is not None:
             return f"raised {err!r}"
         reward = state.future.result()
+        if isinstance(reward, dict):
+            bad = {k: v for k, v in reward.items() if not isinstance(v, int | float)}
+            return f"returned {reward!r}: {sorted(bad)} not numbers" if bad or not reward else None
         if reward is not None and not isinstance(reward, int | float):
-            return f"returned {reward!r}, not a number or None"
+            return f"returned {reward!r}, not a number, a dict of named numbers or None"
         return None
 
     def _forget(self, state: RunState) -> None:
@@ -410,9 +420,10 @@ class AgentRuns:
                 _fail, p.future, CallRefused(503, "the run is stopping", "stopping")
             )
 
-    def _rewards(self, states: list[RunState]) -> torch.Tensor:
-        """Each run's reward: what it returned; for a run that returned None or was ended by
-        a limit, `data.reward_fn` on its last answer."""
+    def _rewards(self, states: list[RunState]) -> GroupScores:
+        """Each run's reward (and named parts, where the runs returned dicts): what it
+        returned; for a run that returned None or was ended by a limit, `data.reward_fn` on
+        its last answer."""
         returned = [
             None if s.limit or s.future is None or s.future.cancelled() else s.future.result()
             for s in states
@@ -422,7 +433,9 @@ class AgentRuns:
             if self.pool is None:
                 raise RolloutFatal(
                     f"agent {self.agent_name} returned no reward and no data.reward_fn is set"
-                )
+                    + (" (a run ended by a limit: agent.max_calls, agent.max_tokens)"
+                       if any(s.limit for s in states) else "")
+                )  # fmt: skip
             example = self.examples[states[0].ticket.dataset_index]
             result = self.pool.score(
                 [RewardJob([states[i].last_text for i in missing], example.answer)]
@@ -433,17 +446,27 @@ class AgentRuns:
                 )
             for i, r in zip(missing, result.rewards, strict=True):
                 returned[i] = r
-        return torch.tensor([float(r or 0.0) for r in returned], dtype=torch.float32)
+        try:
+            return collect_scores(
+                returned, [f"ordinal {s.ticket.ordinal} sample {s.sample}" for s in states]
+            )
+        except RewardFailure as err:
+            raise RolloutFatal(f"agent {self.agent_name}: {err}") from err
 
     def _group(self, states: list[RunState]) -> Group:
         """The ticket's group (`rows.group_of`), its runs' rewards and counts."""
-        rewards = self._rewards(states)
+        scores = self._rewards(states)
+        rewards = torch.tensor(scores.rewards, dtype=torch.float32)
         self.counts.runs_ended_by_limit += sum(bool(s.limit) for s in states)
         self.counts.runs_calling_tools += sum(s.called_tools for s in states)
         self.counts.runs_landed += len(states)
         try:
             group = group_of(states[0].ticket, [s.tokens.segments for s in states], rewards)
             group.generation_s = time.perf_counter() - min(s.started for s in states)
+            group.reward_components = {
+                name: torch.tensor(parts, dtype=torch.float32)
+                for name, parts in scores.components.items()
+            }
             return group
         except NoOpening as err:
             raise RolloutFatal(f"agent {self.agent_name}: {err}") from err

@@ -5,7 +5,7 @@ metadata says what a resume may change)."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, Literal
 
 from asyncrl.config.base import MAY_CHANGE, ConfigError, require
 
@@ -132,8 +132,14 @@ class AgentConfig:
     name: str = ""
     """`module:function` naming `async def run(client, example, ctx)` (or `module:Class` with
     an `async run` method): `client` an `openai.AsyncOpenAI` for this one run, `ctx` its seed
-    and tool journal; the return value is the reward (None: `data.reward_fn` scores the last
-    answer). Empty: no agents."""
+    and tool journal; the return value is the reward (a dict of named floats: each logged as
+    `reward/NAME`, the reward its `reward` entry or their sum; None: `data.reward_fn` scores
+    the last answer). `verifiers:MODULE`: an installed verifiers environment, its tasks the
+    data, its rubric the reward (docs/verifiers.md). Empty: no agents."""
+    args: dict[str, Any] = field(default_factory=dict)
+    """With `agent.name=verifiers:MODULE`: the environment's taskset settings (its
+    `TasksetConfig` fields, `--env.taskset.*` in verifiers' own CLI), e.g. `{num_tasks: 200}`
+    or `agent.args.split=test` on the command line."""
     max_calls: int = 8
     """Model calls per run at most; the call past it ends the run (a limit, not a failure)."""
     max_tokens: int = 512
@@ -158,6 +164,12 @@ class AgentConfig:
             "agent.tool_parser",
             self.tool_parser,
             "one of hermes, none",
+        )
+        require(
+            not self.args or self.name.startswith("verifiers:"),
+            "agent.args",
+            self.args,
+            "empty unless agent.name=verifiers:MODULE",
         )
         if self.name and ":" not in self.name:
             raise ConfigError(

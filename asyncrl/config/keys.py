@@ -200,6 +200,10 @@ def _coerce(key: str, value: Any, hint: Any) -> Any:
             choices = ", ".join(repr(a) for a in allowed)
             raise ConfigError(f"{key}: got {value!r}, allowed values: {choices}")
         return value
+    if origin is dict:  # a YAML mapping, or `{a: 1}` / `section.key.name=1` on the command line
+        if isinstance(value, dict) and all(isinstance(k, str) for k in value):
+            return value
+        raise ConfigError(f"{key}: got {value!r}, expected a mapping of names to values")
     if origin is list:  # of str: a YAML list, or `a,b` on the command line
         items = value.split(",") if isinstance(value, str) else value
         if isinstance(items, list) and all(isinstance(i, str) for i in items):

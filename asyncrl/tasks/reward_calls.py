@@ -67,10 +67,12 @@ def score_group(
                 raise
             except BaseException as err:  # SystemExit too: a reward must not end the run
                 raise RewardFailure(f"raised {err!r} for completion {text!r}") from err
-    return _collect(values, completions)
+    return collect_scores(values, completions)
 
 
-def _collect(values: list[Any], completions: list[str]) -> GroupScores:
+def collect_scores(values: list[Any], completions: list[str]) -> GroupScores:
+    """A group's rewards and components from its samples' values (floats, or dicts of named
+    floats: the `reward` entry, else their sum); `completions` name the samples in errors."""
     rewards: list[float] = []
     components: dict[str, list[float]] = {}
     for i, value in enumerate(values):

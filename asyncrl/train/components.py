@@ -3,9 +3,11 @@ algorithm, which engine and which backend (threads or Ray) a run uses."""
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -13,6 +15,7 @@ from asyncrl.agents.agent_log import AGENT_LOG, AgentLog
 from asyncrl.agents.context import load_agent
 from asyncrl.agents.runs import AgentRuns
 from asyncrl.agents.serving import AgentLimits
+from asyncrl.agents.verifiers_env import VerifiersAgent, is_verifiers, verifiers_env
 from asyncrl.algos import algorithm_class
 from asyncrl.algos.base import Algorithm
 from asyncrl.algos.parallel import SINGLE, Ranks
@@ -117,6 +120,17 @@ class Components:
         steps.clear()
 
 
+def load_run_task(config: Config) -> Task:
+    """The run's rows: `data.*`'s, or with `agent.name=verifiers:MODULE` the environment's
+    tasks (its rubric is the reward: `data.reward_fn` is not used)."""
+    if not is_verifiers(config.agent.name):
+        return load_task(config.data)
+    venv = verifiers_env(config.agent.name, config.agent.args, config.agent.max_calls)
+    return dataclasses.replace(
+        load_task(config.data), name=config.agent.name, examples=venv.examples()
+    )
+
+
 def build_trainer_side(
     config: Config, ranks: Ranks = SINGLE, device: torch.device | None = None
 ) -> tuple[Task, Policy, Callable[[], Algorithm]]:
@@ -124,7 +138,7 @@ def build_trainer_side(
     `device` with ranks), and a function that builds the algorithm — called once the engine
     and the evaluator have copied the full policy, since the algorithm shards it with ranks."""
     train_device = device or resolve_device("train.device", config.train.device)
-    task = load_task(config.data)
+    task = load_run_task(config)
     alphabet = task.alphabet()
     if config.env.name:  # the characters its replies use, for the `tiny` preset's vocabulary
         alphabet |= set(getattr(environment_class(config.env.name), "alphabet", ""))
@@ -285,8 +299,15 @@ def _agent_runs(
         agent.retries,
         policy.max_seq_len,
     )
+    agent_fn: Any
+    scorer: RewardPool | None = pool
+    if is_verifiers(agent.name):  # its rubric scores every run: no data.reward_fn
+        agent_fn = VerifiersAgent(verifiers_env(agent.name, agent.args, agent.max_calls))
+        scorer = None
+    else:
+        agent_fn = load_agent(agent.name)
     return AgentRuns(
-        load_agent(agent.name),
+        agent_fn,
         agent.name,
         task.examples,
         policy.tokenizer,
@@ -296,7 +317,7 @@ def _agent_runs(
         config.run.seed,
         limits,
         AgentLog(Path(run_dir) / AGENT_LOG if run_dir else None),
-        pool,
+        scorer,
         agent.tool_parser,
         config.run.deterministic,
         read_run_id(Path(run_dir)) if run_dir else "",
