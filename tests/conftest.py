@@ -45,6 +45,7 @@ SLOWEST_FILES = (
     "test_prepare_model.py",
     "test_episode_crash.py",
     "test_agent_crash.py",
+    "test_verifiers_crash.py",
     "test_agent_example.py",
     "test_preemption_waits.py",
     "test_hf_models.py",

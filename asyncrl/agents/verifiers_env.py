@@ -36,6 +36,7 @@ import functools
 import json
 import os
 import re
+import sys
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -139,6 +140,7 @@ def load_env(name: str, args: dict[str, Any], max_calls: int) -> VerifiersEnv:
         env = loaders.load_environment(config)
     except (ValidationError, ValueError, TypeError) as err:
         raise ConfigError(f"agent.args: verifiers:{module} does not take them: {err}") from None
+    _uv_on_path()
     taskset = env.taskset
     if not taskset.bounded:
         raise ConfigError(
@@ -150,6 +152,17 @@ def load_env(name: str, args: dict[str, Any], max_calls: int) -> VerifiersEnv:
         raise ConfigError(f"agent.name={name}: its taskset has no tasks (agent.args={args})")
     _check_tasks(module, taskset, tasks)
     return VerifiersEnv(module, env, tasks)
+
+
+def _uv_on_path() -> None:
+    """The null harness's program is a uv script (verifiers runs `uv sync --script` once, into
+    uv's cache): where this Python's environment has uv (`make setup` installs it), its bin
+    directory goes first on PATH, so verifiers finds it rather than installing uv into
+    ~/.local with pip or curl."""
+    bin_dir = os.path.dirname(sys.executable)
+    path = os.environ.get("PATH", "")
+    if os.path.exists(os.path.join(bin_dir, "uv")) and bin_dir not in path.split(os.pathsep):
+        os.environ["PATH"] = os.pathsep.join(filter(None, [bin_dir, path]))
 
 
 def _local_seat(module: str, seat: str, spec: Any, loaders: Any) -> dict[str, Any]:

@@ -4,11 +4,14 @@ taskset whose one tool, `calculate`, appends a line to a journal file on every e
 oracle of how often the tool really ran). The tool's name and its argument are the ones the
 example's tiny model was warm-started to call.
 
-Settings (`agent.args`): `path` (the example's train parquet), `num_tasks`, `journal`.
+Settings (`agent.args`): `path` (the example's train parquet), `num_tasks`, `journal`. With
+JOURNAL_CALC_RAISE_AFTER=K in the environment, the rubric raises from the (K+1)-th episode it
+scores in a process on.
 """
 
 from __future__ import annotations
 
+import os
 import re
 
 import verifiers.v1 as vf
@@ -20,9 +23,15 @@ class JournalData(vf.TaskData):
     answer: str
 
 
+SCORED = [0]
+
+
 class JournalTask(vf.Task[JournalData]):
     @vf.reward
     async def correct(self, trace: vf.Trace) -> float:
+        SCORED[0] += 1
+        if SCORED[0] > int(os.environ.get("JOURNAL_CALC_RAISE_AFTER", "-1")) >= 0:
+            raise RuntimeError("the rubric is broken")
         numbers = re.findall(r"-?\d+", trace.last_reply or "")
         return float(bool(numbers) and numbers[-1] == self.data.answer)
 
