@@ -213,6 +213,30 @@ def test_a_failing_agent_is_tried_again_then_stops_the_run_naming_it(tok, tmp_pa
         silent.close()
 
 
+def test_an_agent_returning_named_parts_trains_its_reward_entry_and_logs_each_part(
+    tok, monkeypatch
+):
+    runs = agent_runs(tok, "odd_agents:named_parts", AgentLog(None))
+    landing = Landing()
+    try:
+        runs.generate(TICKETS[:1], landing)
+    finally:
+        runs.close()
+    (group,) = landing.groups
+    assert group.rewards.tolist() == [0.5, 1.5, 2.5]
+    assert {k: v.tolist() for k, v in group.reward_components.items()} == {
+        "correct": [0.0, 1.0, 2.0],
+        "format": [1.0, 1.0, 1.0],
+    }
+    monkeypatch.setenv("ODD_AGENT_BAD_PARTS", "1")
+    bad = agent_runs(tok, "odd_agents:named_parts", AgentLog(None), retries=0)
+    try:
+        with pytest.raises(RolloutFatal, match=r"'correct'.*not numbers"):
+            bad.generate(TICKETS[:1], Landing())
+    finally:
+        bad.close()
+
+
 def test_a_limit_ends_a_run_once_and_data_reward_fn_scores_it(tok, tmp_path):
     pool = RewardPool("asyncrl.tasks.rewards:exact_match", {})
     runs = agent_runs(tok, "odd_agents:greedy", AgentLog(None), max_calls=2, pool=pool)

@@ -38,3 +38,14 @@ async def wavering(client, example, ctx):
     ]
     await client.chat.completions.create(model="policy", messages=messages)
     return 0.5
+
+
+async def named_parts(client, example, ctx):
+    """Returns its reward in named parts (`reward/NAME`), the `reward` entry the one trained;
+    with `parts` not numbers for sample 1 when ODD_AGENT_BAD_PARTS is set."""
+    await client.chat.completions.create(
+        model="policy", messages=[{"role": "user", "content": example.prompt}]
+    )
+    if os.environ.get("ODD_AGENT_BAD_PARTS") and ctx.sample == 1:
+        return {"reward": 1.0, "correct": "yes"}
+    return {"reward": 0.5 + ctx.sample, "correct": float(ctx.sample), "format": 1.0}
