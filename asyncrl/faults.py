@@ -87,8 +87,10 @@ EPISODE_POINTS = (
 AGENT_POINTS = (
     "agent.call_logged",  # a pass's completions durable in the agent log, not yet answered
     "agent.tool_ran",  # a journaled tool returned, its result not yet in the agent log
+    "agent.tool_logged",  # a journaled tool's result durable in the agent log
 )
-"""Points of agent runs (`agent.name`) in the trainer's process (tests/test_agent_crash.py)."""
+"""Points of agent runs (`agent.name`) in the trainer's process (tests/test_agent_crash.py,
+tests/test_verifiers_crash.py)."""
 SERVER_POINTS = (
     "server.tokens_received",  # a token of a request's stream arrived from a vLLM server
 )

@@ -154,6 +154,7 @@ class AgentContext:
              "result": result}
         )  # fmt: skip
         self.log.sync()
+        fault_point("agent.tool_logged")
 
     def journaled(self, name: str, fn: Callable[..., Any]) -> Callable[..., Awaitable[Any]]:
         """`fn` as a coroutine function that runs through `tool` (for frameworks that take a
