@@ -191,3 +191,28 @@ def test_a_journaled_task_keeps_its_data_and_gets_the_hook_verifiers_calls():
 
     hooks = [h.__name__ for h in discover_decorated(copy, "intercept")]
     assert "asyncrl_tool_journal" in hooks
+
+
+def test_the_shared_routes_take_the_run_from_model():
+    """`/v1/chat/completions` and `/v1/completions` name the agent run in `model`
+    (`sample:KEY`): what `VerifiersAgent` sends, so verifiers' interception server keeps one
+    client for the whole run rather than one per sample."""
+    import openai
+    from test_agent_endpoint import MODEL, SECRET, TOKENIZER, ScriptedBackend
+
+    from asyncrl.agents.endpoint import AgentEndpoint
+
+    backend = ScriptedBackend("Hello.", "Again.", keys=("s0", "s1"))
+    with AgentEndpoint(backend, TOKENIZER, SECRET) as endpoint:
+        client = openai.OpenAI(base_url=f"{endpoint.url}/v1", api_key=SECRET, max_retries=0)
+        hello = [{"role": "user", "content": "hi"}]
+        reply = client.chat.completions.create(model="sample:s1", messages=hello)
+        assert reply.choices[0].message.content == "Hello." and reply.model == MODEL
+        text = client.completions.create(model="sample:s0", prompt="Once", max_tokens=4)
+        assert text.choices[0].text == "Again."
+        assert [c.sample_key for c in backend.calls] == ["s1", "s0"]
+        with pytest.raises(openai.NotFoundError, match="sample:KEY"):
+            client.chat.completions.create(model="policy", messages=hello)
+        with pytest.raises(openai.NotFoundError, match="no agent run 'gone'"):
+            client.chat.completions.create(model="sample:gone", messages=hello)
+        assert len(backend.calls) == 2

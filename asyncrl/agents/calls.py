@@ -83,3 +83,10 @@ class AgentBackend(Protocol):
         ...
 
     async def complete(self, call: TextCall) -> Completion: ...
+
+
+SAMPLE_MODEL = "sample:"
+"""The shared routes (`/v1/chat/completions`, `/v1/completions`) take the agent run from the
+request's `model`, `sample:KEY`: for clients that keep one connection pool per base URL across
+many runs (verifiers' interception server keeps one client per distinct endpoint config for as
+long as it serves, so a base URL per run would be a client per run)."""

@@ -15,7 +15,9 @@ returns it (it is in the run's log first: that is the design); `stream=true` the
 Routes, each behind `Authorization: Bearer <secret>` (else 401; compared in constant time):
 `GET /v1/models`, `GET /s/{key}/v1/models`, `POST /s/{key}/v1/chat/completions`,
 `POST /s/{key}/v1/completions`. `{key}` is the sample key of one agent run (`base_url`); an
-unknown or ended one is a 404 naming it. Every error body is OpenAI's
+unknown or ended one is a 404 naming it. `POST /v1/chat/completions` and `POST /v1/completions`
+take the key from `model` instead (`sample:KEY`, `SAMPLE_MODEL`), for clients that share one
+base URL across runs. Every error body is OpenAI's
 `{"error": {"message", "type", "param", "code"}}`, so the `openai` client raises its typed errors.
 
 Honoured chat fields: `messages` (`template_messages`), `tools` (passed to the chat template),
@@ -29,10 +31,10 @@ or `text` only: 400 otherwise). Text completions honour `prompt` (one string), `
 `stream`, `stream_options.include_usage`, `logprobs` (0 only: the sampled token's),
 `return_token_ids`, `n` (1); `echo`, `suffix` and `best_of` > 1 are 400s.
 Accepted and ignored — sampling is the run's, the same for every sample it trains on: `model`
-(any name; responses name `backend.model_name`), `temperature`, `top_p`, `top_k`, `min_p`,
-`seed`, `stop`, `presence_penalty`, `frequency_penalty`, `repetition_penalty`, `logit_bias`,
-`parallel_tool_calls` (every call written is parsed), `user`, `metadata`, `store`,
-`service_tier`, `reasoning_effort`, `verbosity`, and any other field.
+(any name on the `/s/KEY/` routes; responses name `backend.model_name`), `temperature`,
+`top_p`, `top_k`, `min_p`, `seed`, `stop`, `presence_penalty`, `frequency_penalty`,
+`repetition_penalty`, `logit_bias`, `parallel_tool_calls` (every call written is parsed), `user`,
+`metadata`, `store`, `service_tier`, `reasoning_effort`, `verbosity`, and any other field.
 """
 
 from __future__ import annotations
@@ -54,7 +56,14 @@ from fastapi import FastAPI, Request
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import Response, StreamingResponse
 
-from asyncrl.agents.calls import AgentBackend, CallRefused, ChatCall, Completion, TextCall
+from asyncrl.agents.calls import (
+    SAMPLE_MODEL,
+    AgentBackend,
+    CallRefused,
+    ChatCall,
+    Completion,
+    TextCall,
+)
 from asyncrl.agents.tool_calls import FieldError, ToolCall, ToolParser, template_messages
 from asyncrl.agents.tool_calls import tool_parser as find_tool_parser
 from asyncrl.rollout.server_auth import authorized
@@ -412,8 +421,7 @@ def make_app(
             message = f"no agent run {key!r} in this run (an unknown or ended sample key)"
             raise ApiError(404, message, "sample_key", "sample_not_found")
 
-    async def known_body(request: Request, key: str) -> dict[str, Any]:
-        require_known(key)
+    async def read_body(request: Request) -> dict[str, Any]:
         try:
             body = json.loads(await request.body())
         except ValueError:
@@ -421,6 +429,26 @@ def make_app(
         if not isinstance(body, dict):
             raise ApiError(400, "the body must be a JSON object")
         return body
+
+    async def known_body(request: Request, key: str) -> dict[str, Any]:
+        require_known(key)
+        return await read_body(request)
+
+    async def model_body(request: Request) -> tuple[str, dict[str, Any]]:
+        """A request to the shared `/v1/...` routes: its sample key from `model`."""
+        body = await read_body(request)
+        model = body.get("model")
+        if not isinstance(model, str) or not model.startswith(SAMPLE_MODEL):
+            raise ApiError(
+                404,
+                f"a request to /v1/... names its agent run as model '{SAMPLE_MODEL}KEY' (got "
+                f"{model!r}); or send it to /s/KEY/v1/...",
+                "model",
+                "sample_not_found",
+            )
+        key = model.removeprefix(SAMPLE_MODEL)
+        require_known(key)
+        return key, body
 
     async def answer(call: Callable[[], Any]) -> Completion:
         try:
@@ -437,19 +465,33 @@ def make_app(
         require_known(key)
         return models()
 
-    @app.post("/s/{key:path}/v1/chat/completions")
-    async def chat(key: str, request: Request) -> Response:
-        call, asked = parse_chat(key, await known_body(request, key))
+    async def chat_response(key: str, body: dict[str, Any]) -> Response:
+        call, asked = parse_chat(key, body)
         completion = await answer(lambda: backend.chat(call))
         return Responder(tokenizer, backend.model_name, completion, asked, "chatcmpl").chat(
             parse_tools
         )
 
-    @app.post("/s/{key:path}/v1/completions")
-    async def complete(key: str, request: Request) -> Response:
-        call, asked = parse_text(key, await known_body(request, key))
+    async def text_response(key: str, body: dict[str, Any]) -> Response:
+        call, asked = parse_text(key, body)
         completion = await answer(lambda: backend.complete(call))
         return Responder(tokenizer, backend.model_name, completion, asked, "cmpl").text()
+
+    @app.post("/s/{key:path}/v1/chat/completions")
+    async def chat(key: str, request: Request) -> Response:
+        return await chat_response(key, await known_body(request, key))
+
+    @app.post("/s/{key:path}/v1/completions")
+    async def complete(key: str, request: Request) -> Response:
+        return await text_response(key, await known_body(request, key))
+
+    @app.post("/v1/chat/completions")
+    async def chat_by_model(request: Request) -> Response:
+        return await chat_response(*await model_body(request))
+
+    @app.post("/v1/completions")
+    async def complete_by_model(request: Request) -> Response:
+        return await text_response(*await model_body(request))
 
     return app
 

@@ -40,7 +40,9 @@ import sys
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
+from urllib.parse import unquote
 
+from asyncrl.agents.calls import SAMPLE_MODEL
 from asyncrl.agents.context import AgentContext, ToolCall
 from asyncrl.config import ConfigError
 from asyncrl.tasks.examples import Example
@@ -49,7 +51,6 @@ PREFIX = "verifiers:"
 SECRET_VAR = "ASYNCRL_VERIFIERS_SECRET"
 """The environment variable verifiers' client reads the endpoint's key from (its
 `api_key_var`); the harness itself is given the interception server's own key."""
-MODEL = "policy"
 LOCAL_HARNESSES = ("null",)
 """Harnesses that run on the host without a sandbox: tool calls only through the taskset's
 MCP toolsets, no shell."""
@@ -330,9 +331,14 @@ class VerifiersAgent:
 
         await self._serving()
         os.environ[SECRET_VAR] = str(client.api_key)
+        # one endpoint config for every run, the run named by `model`: verifiers' interception
+        # server keeps a client per distinct config for as long as it serves
+        found = re.fullmatch(r"(.*)/s/([^/]+)/v1/?", str(client.base_url))
+        if found is None:
+            raise ValueError(f"{client.base_url} is not an agent run's base URL")
         model = ModelContext(
-            model=MODEL,
-            client=EvalClientConfig(base_url=str(client.base_url), api_key_var=SECRET_VAR),
+            model=f"{SAMPLE_MODEL}{unquote(found.group(2))}",
+            client=EvalClientConfig(base_url=f"{found.group(1)}/v1", api_key_var=SECRET_VAR),
         )
         task = journaled(self.venv.task_of(example), ToolJournal(ctx))
         episode = await self.venv.env.run_episode(task, model)

@@ -34,6 +34,12 @@ def evaluate_checkpoint(
     _, saved = read_parts(verified)
     # the sections an evaluation reads; `algo` may hold keys this asyncrl no longer accepts
     config = build_config({k: v for k, v in saved.items() if k != "algo"}, list(overrides))
+    if config.agent.name.startswith("verifiers:"):
+        raise ConfigError(
+            f"agent.name={config.agent.name}: asyncrl eval evaluates single-turn completions of "
+            "data.*, and a verifiers run's rows and reward are its environment's; evaluate its "
+            "held-out split as docs/verifiers.md#held-out-evaluation shows"
+        )
     named = any(o.startswith("data.reward_fn=") for o in overrides)
     if config.data.reward_target not in BUILTIN_REWARDS.values() and not named:
         raise ConfigError(
