@@ -8,7 +8,7 @@ RUN_DIR ?= runs/demo-$(NOW)
 # a demo's run dir: RUN_DIR when given (command line or environment), else runs/NAME-TIME
 demo_dir = $(if $(filter command line environment,$(origin RUN_DIR)),$(RUN_DIR),runs/$(1)-$(NOW))
 
-.PHONY: setup demo math-demo smol-demo multi-turn-demo calculator-demo agent-demo ppo-demo rloo-demo test test-fast lint bench bench-algos bench-ray bench-scale bench-lora bench-lora-curve bench-vllm-lora bench-deferral bench-reward bench-engines bench-records bench-rank-messages bench-agents bench-smol bench-calculator bench-floor bench-attention bench-preemption bench-ray-drain bench-servers gpu-check chaos docs clean
+.PHONY: setup demo math-demo smol-demo multi-turn-demo calculator-demo agent-demo ppo-demo rloo-demo test test-fast lint bench bench-algos bench-ray bench-scale bench-lora bench-lora-curve bench-vllm-lora bench-deferral bench-reward bench-engines bench-records bench-rank-messages bench-agents bench-verifiers bench-smol bench-calculator bench-floor bench-attention bench-preemption bench-ray-drain bench-servers gpu-check chaos docs clean
 
 setup: $(STAMP)
 
@@ -164,6 +164,10 @@ bench-rank-messages: setup
 # and SmolLM2's shapes, the endpoint's ms per call, calls/s replayed from the agent log (~3 min)
 bench-agents: setup
 	$(BIN)/python benchmarks/agent_runs.py
+
+# a verifiers environment's episodes: asyncrl's agent runs against verifiers' own loop on vLLM
+bench-verifiers: setup
+	$(BIN)/python benchmarks/verifiers_runs.py
 
 chaos: setup
 	$(BIN)/python benchmarks/chaos.py --trials 200
