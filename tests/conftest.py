@@ -53,6 +53,7 @@ SLOWEST_FILES = (
     "test_evaluation.py",
     "test_verifiers_examples.py",
     "test_verifiers_bench.py",
+    "test_verifiers_demo.py",
 )
 """The files that take longest (test time, `make test` on 2 cores, docs/testing.md), slowest
 first: they run first, so `make test`'s workers (a file to each, `--no-loadscope-reorder`) end
