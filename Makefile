@@ -8,7 +8,7 @@ RUN_DIR ?= runs/demo-$(NOW)
 # a demo's run dir: RUN_DIR when given (command line or environment), else runs/NAME-TIME
 demo_dir = $(if $(filter command line environment,$(origin RUN_DIR)),$(RUN_DIR),runs/$(1)-$(NOW))
 
-.PHONY: setup demo math-demo smol-demo multi-turn-demo calculator-demo agent-demo ppo-demo rloo-demo test test-fast lint bench bench-algos bench-ray bench-scale bench-lora bench-lora-curve bench-vllm-lora bench-deferral bench-reward bench-engines bench-records bench-rank-messages bench-agents bench-verifiers bench-smol bench-calculator bench-floor bench-attention bench-preemption bench-ray-drain bench-servers gpu-check chaos docs clean
+.PHONY: setup demo math-demo smol-demo multi-turn-demo calculator-demo agent-demo verifiers-demo ppo-demo rloo-demo test test-fast lint bench bench-algos bench-ray bench-scale bench-lora bench-lora-curve bench-vllm-lora bench-deferral bench-reward bench-engines bench-records bench-rank-messages bench-agents bench-verifiers bench-smol bench-calculator bench-floor bench-attention bench-preemption bench-ray-drain bench-servers gpu-check chaos docs clean
 
 setup: $(STAMP)
 
@@ -162,6 +162,14 @@ bench-rank-messages: setup
 
 # agent runs over the endpoint against the engine alone: endpoint/direct tokens/s at the demo's
 # and SmolLM2's shapes, the endpoint's ms per call, calls/s replayed from the agent log (~3 min)
+# a verifiers environment (agent.name=verifiers:asyncrl_calculator) on the real model:
+# SmolLM2-135M-Instruct with the tools chat template, written into data/verifiers_demo first
+# (offline); then held-out accuracy and tool use, initial -> final model, and the curve
+verifiers-demo: setup
+	$(BIN)/python -m asyncrl.examples.verifiers_demo prepare data/verifiers_demo
+	$(BIN)/asyncrl train configs/verifiers_demo.yaml --run-dir $(call demo_dir,verifiers-demo)
+	$(BIN)/python -m asyncrl.examples.verifiers_demo report $(call demo_dir,verifiers-demo)
+
 bench-agents: setup
 	$(BIN)/python benchmarks/agent_runs.py
 
