@@ -31,17 +31,25 @@ def test_a_module_that_is_not_installed_is_an_error_naming_it_and_how_to_install
     assert "prime env install" in message
 
 
+def test_a_module_whose_own_import_is_missing_is_an_error_naming_that_import(tmp_path, monkeypatch):
+    (tmp_path / "needs_more.py").write_text("import no_such_dependency_here\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    with pytest.raises(ConfigError, match="imports 'no_such_dependency_here'"):
+        load_env("verifiers:needs_more", {}, 8)
+
+
 def test_settings_the_taskset_does_not_take_are_an_error_naming_agent_args():
     with pytest.raises(ConfigError, match=r"agent\.args"):
         load_env("verifiers:asyncrl_calculator", {"split": "validation"}, 8)
 
 
 def test_the_calculator_loads_on_this_host_its_tasks_the_rows():
-    env = load_env("verifiers:asyncrl_calculator", {"num_tasks": 12, "split": "test"}, 3)
+    env = load_env("verifiers:asyncrl_calculator", {"num_tasks": 12, "split": "test"}, 3, 96)
     assert len(env.tasks) == 12
     spec = env.env.config.agent
     assert spec.harness.id == "null" and spec.runtime.type == "subprocess"
-    assert spec.max_turns == 3  # agent.max_calls: verifiers ends and scores the episode
+    # agent.max_calls and agent.max_tokens: verifiers ends and scores the episode first
+    assert spec.max_turns == 3 and spec.max_output_tokens == 96
     examples = env.examples()
     assert [e.prompt for e in examples] == [t.data.prompt_text for t in env.tasks]
     assert all(env.task_of(e) is t for e, t in zip(examples, env.tasks, strict=True))

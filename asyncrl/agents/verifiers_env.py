@@ -95,20 +95,27 @@ class VerifiersEnv:
 _LOADED: dict[str, VerifiersEnv] = {}
 
 
-def verifiers_env(name: str, args: dict[str, Any], max_calls: int) -> VerifiersEnv:
+def verifiers_env(
+    name: str, args: dict[str, Any], max_calls: int, max_tokens: int | None = None
+) -> VerifiersEnv:
     """`load_env`, once a process for the same settings (the trainer's task and its agent
     runs share it)."""
-    key = json.dumps([name, args, max_calls], sort_keys=True, default=repr)
+    key = json.dumps([name, args, max_calls, max_tokens], sort_keys=True, default=repr)
     if key not in _LOADED:
-        _LOADED[key] = load_env(name, args, max_calls)
+        _LOADED[key] = load_env(name, args, max_calls, max_tokens)
     return _LOADED[key]
 
 
-def load_env(name: str, args: dict[str, Any], max_calls: int) -> VerifiersEnv:
+def load_env(
+    name: str, args: dict[str, Any], max_calls: int, max_tokens: int | None = None
+) -> VerifiersEnv:
     """`agent.name=verifiers:MODULE` with `agent.args`: the environment, its seats on this
-    host (each held to `max_calls` model turns, `agent.max_calls`, unless it holds itself to
-    fewer: verifiers then ends and scores the episode itself), its tasks; a `ConfigError`
-    naming what is missing or refused."""
+    host, its tasks; a `ConfigError` naming what is missing or refused. Each seat is held to
+    `max_calls` model turns (`agent.max_calls`) and `max_tokens` completion tokens
+    (`agent.max_tokens`), unless it holds itself to fewer: verifiers then stops the episode
+    and scores it (the endpoint holds the call that reaches the tokens' cap to what is left,
+    and verifiers checks its caps before each turn), where the run's own limit would refuse a
+    call and leave the episode unscored."""
     module = name.removeprefix(PREFIX)
     try:
         from pydantic import ValidationError
@@ -122,6 +129,14 @@ def load_env(name: str, args: dict[str, Any], max_calls: int) -> VerifiersEnv:
     try:
         loaders.import_taskset(module)
     except ModuleNotFoundError as err:
+        importable = module.replace("-", "_").lower()
+        cause = err.__cause__ if isinstance(err.__cause__, ModuleNotFoundError) else err
+        missing = cause.name  # verifiers re-raises its own; the import that failed is the cause
+        if missing and missing != importable and not importable.startswith(f"{missing}."):
+            raise ConfigError(
+                f"agent.name={name}: the environment imports {missing!r}, which is not "
+                f"installed in this Python ({cause.msg})"
+            ) from None
         raise ConfigError(
             f"agent.name={name}: no verifiers environment module {module!r} is installed in "
             f"this Python ({err.msg}). Install it here first: `.venv/bin/pip install -e "
@@ -134,6 +149,9 @@ def load_env(name: str, args: dict[str, Any], max_calls: int) -> VerifiersEnv:
         for seat, spec in agent_config_fields(config).items():
             seats[seat] = _local_seat(module, seat, spec, loaders)
             seats[seat]["max_turns"] = min(spec.max_turns or max_calls, max_calls)
+            if max_tokens is not None:
+                own = spec.max_output_tokens or max_tokens
+                seats[seat]["max_output_tokens"] = min(own, max_tokens)
         if seats:
             config = loaders.resolve_env_config(
                 {**config.model_dump(exclude={"taskset"}), "taskset": config.taskset, **seats}

@@ -248,7 +248,7 @@ def evaluate(
     policy = load_pretrained_policy(model_dir)
     tokenizer = policy.tokenizer
     eos_id = turn_end_id(tokenizer, policy.eos_id)
-    venv = verifiers_env(ENV, {"split": split, "num_tasks": n}, max_calls)
+    venv = verifiers_env(ENV, {"split": split, "num_tasks": n}, max_calls, episode_tokens)
     examples = venv.examples()
     weights = CopyWeightSync(1, "cpu", torch.float32)
     weights.publish(0, policy.model.state_dict())

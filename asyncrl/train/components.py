@@ -125,7 +125,8 @@ def load_run_task(config: Config) -> Task:
     tasks (its rubric is the reward: `data.reward_fn` is not used)."""
     if not is_verifiers(config.agent.name):
         return load_task(config.data)
-    venv = verifiers_env(config.agent.name, config.agent.args, config.agent.max_calls)
+    agent = config.agent
+    venv = verifiers_env(agent.name, agent.args, agent.max_calls, agent.max_tokens)
     return dataclasses.replace(
         load_task(config.data), name=config.agent.name, examples=venv.examples()
     )
@@ -302,7 +303,8 @@ def _agent_runs(
     agent_fn: Any
     scorer: RewardPool | None = pool
     if is_verifiers(agent.name):  # its rubric scores every run: no data.reward_fn
-        agent_fn = VerifiersAgent(verifiers_env(agent.name, agent.args, agent.max_calls))
+        venv = verifiers_env(agent.name, agent.args, agent.max_calls, agent.max_tokens)
+        agent_fn = VerifiersAgent(venv)
         scorer = None
     else:
         agent_fn = load_agent(agent.name)
