@@ -14,6 +14,7 @@ from verifiers.v1.types import AssistantMessage, Request, ToolCall, ToolMessage,
 from asyncrl.agents.agent_log import AgentLog
 from asyncrl.agents.context import AgentContext, ToolCounts
 from asyncrl.agents.verifiers_env import (
+    UNREAD,
     ToolJournal,
     episode_scores,
     journaled,
@@ -79,6 +80,38 @@ REFUSED = {
         "class Config(vf.EnvConfig):\n    agent: vf.AgentConfig = "
         'vf.AgentConfig(harness={"id": "bash"})',
         "harness 'bash' runs the model's commands",
+    ),
+    "remote_model": (
+        """
+        class Env(vf.Env[Config]):
+            async def run(self, task, agents):
+                await agents.agent.run(task)
+        """,
+        "class Config(vf.EnvConfig):\n    agent: vf.AgentConfig = "
+        'vf.AgentConfig(harness={"id": "null"}, model="gpt-4.1-mini")',
+        "pinned to another model or endpoint (gpt-4.1-mini)",
+    ),
+    "retried_seat": (
+        """
+        class Env(vf.Env[Config]):
+            async def run(self, task, agents):
+                await agents.agent.run(task)
+        """,
+        "class Config(vf.EnvConfig):\n    agent: vf.AgentConfig = "
+        'vf.AgentConfig(harness={"id": "null"}, retries={"max_retries": 3})',
+        "seat 'agent' sets retries",
+    ),
+    "two_seats": (
+        """
+        class Env(vf.Env[Config]):
+            async def run(self, task, agents):
+                await agents.agent.run(task)
+                await agents.judge.run(task)
+        """,
+        "class Config(vf.EnvConfig):\n    agent: vf.AgentConfig = "
+        'vf.AgentConfig(harness={"id": "null"})\n    judge: vf.AgentConfig = '
+        'vf.AgentConfig(harness={"id": "null"})',
+        "2 agent seats (agent, judge)",
     ),
     "image_task": ("", "", "container image 'ubuntu:24.04'"),
     "remote_tools": ("", "", "remote service (http://tools.example/mcp)"),
@@ -154,19 +187,19 @@ def test_the_journal_logs_a_tool_at_its_gate_and_its_result_from_the_next_reques
     journal = ToolJournal(_ctx(log, counts))
     # the gate: verifiers asks for each call of the turn (an empty result for it) as the turn
     # is committed, before the harness runs any
-    assert journal.intercept(Request(messages=_branch(("c0", "")))) is None
-    assert journal.intercept(Request(messages=_branch(("c1", "")))) is None
+    assert journal.intercept(Request(messages=_branch(("c0", ""))), "tr") is None
+    assert journal.intercept(Request(messages=_branch(("c1", ""))), "tr") is None
     assert log.tools_begun == {"3:1:0:t0", "3:1:0:t1"} and not log.tools
     # the next model request carries both results
-    assert journal.intercept(Request(messages=_branch(("c0", "4"), ("c1", "9")))) is None
+    assert journal.intercept(Request(messages=_branch(("c0", "4"), ("c1", "9"))), "tr") is None
     assert {k: r["result"] for k, r in log.tools.items()} == {"3:1:0:t0": "4", "3:1:0:t1": "9"}
     assert counts.executed == 2 and counts.replayed == 0
 
     # the same run replayed: the gate answers from the log, the harness does not run the tool
     replay = ToolJournal(_ctx(log, counts))
-    rewritten = replay.intercept(Request(messages=_branch(("c0", ""))))
+    rewritten = replay.intercept(Request(messages=_branch(("c0", ""))), "tr")
     assert rewritten is not None and rewritten.messages[-1].content == "4"
-    rewritten = replay.intercept(Request(messages=_branch(("c1", ""))))
+    rewritten = replay.intercept(Request(messages=_branch(("c1", ""))), "tr")
     assert rewritten is not None and rewritten.messages[-1].content == "9"
     assert counts.replayed == 2 and counts.executed == 2
 
@@ -174,19 +207,65 @@ def test_the_journal_logs_a_tool_at_its_gate_and_its_result_from_the_next_reques
 def test_a_replayed_call_with_other_arguments_runs_and_counts_as_diverged():
     log, counts = AgentLog(None), ToolCounts()
     journal = ToolJournal(_ctx(log, counts))
-    journal.intercept(Request(messages=_branch(("c0", ""))))
-    journal.intercept(Request(messages=_branch(("c0", "4"))))
+    journal.intercept(Request(messages=_branch(("c0", ""))), "tr")
+    journal.intercept(Request(messages=_branch(("c0", "4"))), "tr")
     other = _branch(("c0", ""))
     other[1].tool_calls[0].arguments = '{"e": "other"}'
-    assert ToolJournal(_ctx(log, counts)).intercept(Request(messages=other)) is None
+    assert ToolJournal(_ctx(log, counts)).intercept(Request(messages=other), "tr") is None
     assert counts.diverged == 1 and counts.replayed == 0
 
 
 def test_a_tool_begun_without_a_result_runs_again_and_is_counted_as_repeated():
     log, counts = AgentLog(None), ToolCounts()
-    ToolJournal(_ctx(log, counts)).intercept(Request(messages=_branch(("c0", ""))))  # killed
-    assert ToolJournal(_ctx(log, counts)).intercept(Request(messages=_branch(("c0", "")))) is None
+    ToolJournal(_ctx(log, counts)).intercept(Request(messages=_branch(("c0", ""))), "tr")  # killed
+    assert (
+        ToolJournal(_ctx(log, counts)).intercept(Request(messages=_branch(("c0", ""))), "tr")
+        is None
+    )
     assert counts.repeated == 1
+
+
+def test_a_recorded_empty_result_is_replayed_as_a_verdict_that_renders_the_same():
+    """An empty result equals the gate's probe, which verifiers would read as no decision (the
+    harness would run the tool again): the replay gives it as one empty text part."""
+    from asyncrl.agents.tool_calls import template_messages
+
+    log, counts = AgentLog(None), ToolCounts()
+    journal = ToolJournal(_ctx(log, counts))
+    journal.intercept(Request(messages=_branch(("c0", ""))), "tr")
+    journal.intercept(Request(messages=_branch(("c0", ""))), "tr")  # its result: ""
+    assert log.tools["3:1:0:t0"]["result"] == ""
+    rewritten = ToolJournal(_ctx(log, counts)).intercept(Request(messages=_branch(("c0", ""))), "x")
+    assert rewritten is not None and rewritten.messages[-1] != _branch(("c0", ""))[-1]
+    wire = rewritten.messages[-1].model_dump(exclude_none=True)  # what the harness sends on
+    assert isinstance(wire["content"], list) and template_messages([wire])[0]["content"] == ""
+    assert counts.replayed == 1
+
+
+def test_the_same_call_id_in_two_traces_is_two_calls():
+    log, counts = AgentLog(None), ToolCounts()
+    journal = ToolJournal(_ctx(log, counts))
+    for trace in ("a", "b"):
+        journal.intercept(Request(messages=_branch(("c0", ""))), trace)
+    assert log.tools_begun == {"3:1:0:t0", "3:1:0:t1"}
+    journal.intercept(Request(messages=_branch(("c0", "4"))), "b")
+    assert list(log.tools) == ["3:1:0:t1"]
+
+
+def test_tools_run_after_the_last_allowed_turn_are_settled_unread():
+    log, counts = AgentLog(None), ToolCounts()
+    journal = ToolJournal(_ctx(log, counts))
+    journal.intercept(Request(messages=_branch(("c0", ""))), "tr")
+    journal.settle_unread()
+    assert log.tools["3:1:0:t0"]["result"] == UNREAD and counts.executed == 1
+    assert not journal.begun
+
+
+def test_a_call_another_hook_already_decided_is_not_journaled():
+    log, counts = AgentLog(None), ToolCounts()
+    journal = ToolJournal(_ctx(log, counts))
+    assert journal.intercept(Request(messages=_branch(("c0", "denied by policy"))), "tr") is None
+    assert not log.tools_begun and not log.tools
 
 
 def test_a_journaled_task_keeps_its_data_and_gets_the_hook_verifiers_calls():

@@ -8,10 +8,11 @@ resume covers every field of every task), and the prompt stream orders them as i
 data. Each sample is one episode, `Env.run_episode`, run by verifiers' own machinery: the
 harness program (`null`: verifiers' chat loop with the taskset's MCP tools) in the
 subprocess runtime, verifiers' interception server between it and the run's OpenAI-compatible
-endpoint, the sample's client as the model. The rubric is the reward: each trace's weighted
-sum of its `@vf.reward` functions (the episode's traces averaged), every function logged as
-`reward/NAME`. An episode that fails (a rubric that raises, a harness that crashes) is a
-failed run, tried again (`agent.retries`), never a 0.
+endpoint, the sample's client as the model (the run named in `model`, one endpoint config
+for all). The rubric is the reward: the trace's weighted sum of its `@vf.reward` functions,
+every function logged as `reward/NAME`. An episode that fails (a rubric that raises, a
+harness that crashes, a stage cut by verifiers' clock) is a failed run, tried again
+(`agent.retries`), never a 0.
 
 Tools go through the run's journal (`AgentContext.tool_begin` / `tool_done`): every task is
 given a `@vf.intercept` hook (the task's own class, subclassed) that verifiers calls before
@@ -19,19 +20,22 @@ the harness executes a tool call (its tool gate) and again when the call's resul
 next model request. The first logs the call as begun, or, where the log holds it, answers it
 with the recorded result (the gate denies the harness its own execution, and the model sees
 the recorded result); the second logs the result. After a kill, tools the log holds are not
-run again; a tool cut off between acting and its result reaching the next request runs once
-more (counted).
+run again; the tools of a turn cut off between acting and their results reaching the next
+request run once more (counted).
 
 What would need a hosted sandbox or a remote service is refused at load, with its reason: a
-seat pinned to a runtime other than `subprocess`, a harness that needs a container or
-executes the model's commands (`bash`, third-party agents), a task with a container image, a
-toolset served elsewhere (`url`) or on another runtime, and LLM judges.
+seat pinned to a runtime other than `subprocess` or to another model, a harness that needs a
+container, executes the model's commands (`bash`, third-party agents) or has no tool gate, a
+task with a container image, a toolset served elsewhere (`url`) or on another runtime, and
+LLM judges; and what would break the guarantees: several seats, a seat's own timeouts or
+retries, an Env's timeouts.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import copy as pycopy
 import functools
 import json
 import os
@@ -48,9 +52,11 @@ from asyncrl.config import ConfigError
 from asyncrl.tasks.examples import Example
 
 PREFIX = "verifiers:"
-SECRET_VAR = "ASYNCRL_VERIFIERS_SECRET"
+SECRET_VAR = "ASYNCRL_VERIFIERS_API_KEY"
 """The environment variable verifiers' client reads the endpoint's key from (its
-`api_key_var`); the harness itself is given the interception server's own key."""
+`api_key_var`); the harness itself is given the interception server's own key. Its name has
+`API_KEY` in it: verifiers' subprocess runtime keeps such variables from the processes it
+starts (the harness programs, the tool servers)."""
 LOCAL_HARNESSES = ("null",)
 """Harnesses that run on the host without a sandbox: tool calls only through the taskset's
 MCP toolsets, no shell."""
@@ -129,7 +135,7 @@ def load_env(
     try:
         loaders.import_taskset(module)
     except ModuleNotFoundError as err:
-        importable = module.replace("-", "_").lower()
+        importable = module.rsplit("/", 1)[-1].split("@", 1)[0].replace("-", "_").lower()
         cause = err.__cause__ if isinstance(err.__cause__, ModuleNotFoundError) else err
         missing = cause.name  # verifiers re-raises its own; the import that failed is the cause
         if missing and missing != importable and not importable.startswith(f"{missing}."):
@@ -145,20 +151,30 @@ def load_env(
         ) from None
     try:
         config = loaders.resolve_env_config({"taskset": {"id": module, **args}})
-        seats = {}
-        for seat, spec in agent_config_fields(config).items():
-            seats[seat] = _local_seat(module, seat, spec, loaders)
-            seats[seat]["max_turns"] = min(spec.max_turns or max_calls, max_calls)
-            if max_tokens is not None:
-                own = spec.max_output_tokens or max_tokens
-                seats[seat]["max_output_tokens"] = min(own, max_tokens)
-        if seats:
-            config = loaders.resolve_env_config(
-                {**config.model_dump(exclude={"taskset"}), "taskset": config.taskset, **seats}
-            )
-        env = loaders.load_environment(config)
     except (ValidationError, ValueError, TypeError) as err:
         raise ConfigError(f"agent.args: verifiers:{module} does not take them: {err}") from None
+    specs = agent_config_fields(config)
+    if len(specs) != 1:
+        raise _refuse(module, f"its Env has {len(specs)} agent seats ({', '.join(specs)}); "
+                              "asyncrl trains one seat an episode (one sample)")  # fmt: skip
+    seats = {}
+    for seat, spec in specs.items():
+        seats[seat] = _local_seat(module, seat, spec, loaders)
+        seats[seat]["max_turns"] = min(spec.max_turns or max_calls, max_calls)
+        if max_tokens is not None:
+            own = spec.max_output_tokens or max_tokens
+            seats[seat]["max_output_tokens"] = min(own, max_tokens)
+    if config.timeout.episode is not None or config.timeout.finalize is not None:
+        raise _refuse(module, "its Env sets timeouts (env.timeout): an episode cut by the clock "
+                              "would be scored; agent.timeout_s bounds a run")  # fmt: skip
+    data = {**config.model_dump(exclude={"taskset"}), "taskset": config.taskset, **seats}
+    data["max_concurrent_agents"] = 1
+    try:
+        env = loaders.load_environment(loaders.resolve_env_config(data))
+    except ConfigError:
+        raise
+    except Exception as err:
+        raise ConfigError(f"agent.name={name}: verifiers could not build it: {err!r}") from err
     _uv_on_path()
     taskset = env.taskset
     if not taskset.bounded:
@@ -198,6 +214,18 @@ def _local_seat(module: str, seat: str, spec: Any, loaders: Any) -> dict[str, An
     if harness_id not in LOCAL_HARNESSES and (cls.NEEDS_CONTAINER or cls.EXECUTES_CODE):
         what = "needs a container" if cls.NEEDS_CONTAINER else "runs the model's commands"
         raise _refuse(module, f"seat {seat!r}'s harness {harness_id!r} {what}")
+    if not cls.SUPPORTS_TOOL_INTERCEPTION:
+        raise _refuse(module, f"seat {seat!r}'s harness {harness_id!r} has no tool gate (tools "
+                              "could not be answered from the log after a kill)")  # fmt: skip
+    if spec.model is not None or spec.client is not None:
+        other = spec.model or spec.client
+        raise _refuse(module, f"seat {seat!r} is pinned to another model or endpoint ({other}): "
+                              "a remote model is not the policy")  # fmt: skip
+    pinned = {f for f in ("timeout", "retries") if f in spec.model_fields_set}
+    if pinned:
+        raise _refuse(module, f"seat {seat!r} sets {', '.join(sorted(pinned))}: verifiers "
+                              "scores a run its clock cut, and a retried run's tokens would "
+                              "join the sample (agent.timeout_s, agent.retries)")  # fmt: skip
     dumped = spec.model_dump(exclude={"runtime", "harness"}, exclude_unset=True)
     harness_data = harness.model_dump() if harness is not None else {"id": harness_id}
     return {**dumped, "harness": harness_data, "runtime": {"type": "subprocess"}}
@@ -210,6 +238,8 @@ def _check_tasks(module: str, taskset: Any, tasks: Sequence[Any]) -> None:
         if task.data.image:
             raise _refuse(module, f"task {task.data.idx} runs in the container image "
                                   f"{task.data.image!r}")  # fmt: skip
+        if getattr(type(task), "NEEDS_CONTAINER", False):
+            raise _refuse(module, f"its {type(task).__name__} needs a container")
     first = tasks[0]
     servers = [*taskset.toolsets(taskset.config), *type(first).toolsets(first.config)]
     for server in servers:
@@ -225,17 +255,23 @@ def _check_tasks(module: str, taskset: Any, tasks: Sequence[Any]) -> None:
         raise _refuse(module, f"its rubric asks an LLM judge {judges or ''} (a remote model)")
 
 
+UNREAD = "(not read: the episode ended before its next model call)"
+"""The result logged for a tool the harness ran after the episode's last allowed turn (its
+result never reaches a request): a replay answers the call with it, and the model never sees
+it (verifiers refuses the request after that turn again)."""
+
+
 class ToolJournal:
     """One run's tool calls through the run's journal, as verifiers' request hook sees them:
-    first at the tool gate (an empty result for the call), then with the result in the next
-    model request."""
+    first at the tool gate (an empty result for the call, before the harness runs it), then
+    with the result in the next model request. Calls are told apart by their trace and id."""
 
     def __init__(self, ctx: AgentContext) -> None:
         self.ctx = ctx
-        self.begun: dict[str, ToolCall] = {}
-        self.settled: set[str] = set()
+        self.begun: dict[tuple[str, str], ToolCall] = {}
+        self.settled: set[tuple[str, str]] = set()
 
-    def intercept(self, request: Any) -> Any:
+    def intercept(self, request: Any, trace_id: str) -> Any:
         from verifiers.v1.types import AssistantMessage, ToolMessage
 
         messages = list(request.messages)
@@ -247,21 +283,33 @@ class ToolJournal:
         }
         rewritten = False
         for position, message in enumerate(messages):
-            if not isinstance(message, ToolMessage) or message.tool_call_id in self.settled:
+            if not isinstance(message, ToolMessage):
                 continue
-            call_id = message.tool_call_id
-            if call_id in self.begun:  # the result the harness got, in the next request
-                self.settled.add(call_id)
-                self.ctx.tool_done(self.begun.pop(call_id), _jsonable(message.content))
+            key = (trace_id, message.tool_call_id)
+            if key in self.settled:
                 continue
-            call = self.ctx.tool_begin(message.name or "", [arguments.get(call_id)])
-            if call.replayed:  # answered from the log: the gate denies the harness's own run
-                self.settled.add(call_id)
-                messages[position] = message.model_copy(update={"content": call.result})
+            if key in self.begun:  # the result the harness got, in the next request
+                self.settled.add(key)
+                self.ctx.tool_done(self.begun.pop(key), _jsonable(message.content))
+                continue
+            self.settled.add(key)
+            if message.content not in ("", []):  # another hook's verdict: the harness won't run it
+                continue
+            call = self.ctx.tool_begin(message.name or "", [arguments.get(message.tool_call_id)])
+            if call.replayed:  # answered from the log: the gate denies the harness its own run
+                messages[position] = _verdict(message, call.result)
                 rewritten = True
             else:
-                self.begun[call_id] = call
+                self.settled.discard(key)
+                self.begun[key] = call
         return request.model_copy(update={"messages": messages}) if rewritten else None
+
+    def settle_unread(self) -> None:
+        """Logs the tools the harness ran after the episode's last allowed turn (`UNREAD`)."""
+        for call in self.begun.values():
+            self.ctx.tool_done(call, UNREAD)
+        self.settled.update(self.begun)
+        self.begun.clear()
 
 
 def _jsonable(content: Any) -> Any:
@@ -271,26 +319,40 @@ def _jsonable(content: Any) -> Any:
             for part in content]  # fmt: skip
 
 
+def _verdict(probe: Any, result: Any) -> Any:
+    """The gate's probe answered with a recorded `result`. A result equal to the probe's own
+    empty content would read as no decision (the harness would run the tool): it is given as
+    one empty text part, which renders the same."""
+    content = result if result not in ("", []) else [{"type": "text", "text": ""}]
+    return type(probe).model_validate({**probe.model_dump(), "content": content})
+
+
 @functools.cache
 def _journaled_class(base: type) -> type:
     """`base` (a verifiers `Task` class) with the tool journal's request hook."""
     import verifiers.v1 as vf
+    from verifiers.v1.trace import Trace
     from verifiers.v1.types import Request
 
-    def asyncrl_tool_journal(self: Any, request: Request) -> Request | None:
+    def asyncrl_tool_journal(self: Any, request: Request, trace: Trace) -> Request | None:
         journal: ToolJournal | None = getattr(self, "_asyncrl_journal", None)
-        return None if journal is None else journal.intercept(request)
+        return None if journal is None else journal.intercept(request, str(trace.id))
 
-    asyncrl_tool_journal.__annotations__ = {"request": Request, "return": Request | None}
+    asyncrl_tool_journal.__annotations__ = {
+        "request": Request,
+        "trace": Trace,
+        "return": Request | None,
+    }
     hook = vf.intercept(asyncrl_tool_journal, priority=-(10**6))  # after the task's own
     return type(base.__name__, (base,), {"asyncrl_tool_journal": hook,
                                          "__module__": base.__module__})  # fmt: skip
 
 
 def journaled(task: Any, journal: ToolJournal) -> Any:
-    """A copy of `task` whose tool calls go through `journal`."""
+    """A copy of `task` (its instance state kept) whose tool calls go through `journal`."""
+    copy = pycopy.copy(task)
     cls: Any = type(task)
-    copy = _journaled_class(cls)(task.data, task.config)
+    copy.__class__ = _journaled_class(cls)
     copy._asyncrl_journal = journal
     return copy
 
@@ -358,10 +420,16 @@ class VerifiersAgent:
             model=f"{SAMPLE_MODEL}{unquote(found.group(2))}",
             client=EvalClientConfig(base_url=f"{found.group(1)}/v1", api_key_var=SECRET_VAR),
         )
-        task = journaled(self.venv.task_of(example), ToolJournal(ctx))
+        journal = ToolJournal(ctx)
+        task = journaled(self.venv.task_of(example), journal)
         episode = await self.venv.env.run_episode(task, model)
         if not episode.ok or not episode.traces:
             raise VerifiersFailure(f"verifiers:{self.venv.module}: {_errors(episode)}")
+        if episode.is_timeout or any(t.is_timeout for t in episode.traces):
+            # verifiers scores a run its clock cut: here it is a failed run, never a reward
+            raise VerifiersFailure(f"verifiers:{self.venv.module}: a stage timed out (the "
+                                   f"task's own timeout): {_errors(episode)}")  # fmt: skip
+        journal.settle_unread()
         return episode_scores(episode)
 
     async def aclose(self) -> None:
