@@ -3,7 +3,6 @@ algorithm, which engine and which backend (threads or Ray) a run uses."""
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -20,6 +19,7 @@ from asyncrl.algos import algorithm_class
 from asyncrl.algos.base import Algorithm
 from asyncrl.algos.parallel import SINGLE, Ranks
 from asyncrl.config import Config
+from asyncrl.config.data import BUILTIN_REWARDS
 from asyncrl.core.buffer import Buffer, ReplayBuffer
 from asyncrl.core.ledger import Ledger
 from asyncrl.core.preemption import Notice
@@ -127,8 +127,12 @@ def load_run_task(config: Config) -> Task:
         return load_task(config.data)
     agent = config.agent
     venv = verifiers_env(agent.name, agent.args, agent.max_calls, agent.max_tokens)
-    return dataclasses.replace(
-        load_task(config.data), name=config.agent.name, examples=venv.examples()
+    # data.* is not read (its path may not exist): the reward named is never called
+    return Task(
+        name=agent.name,
+        examples=venv.examples(),
+        reward_target=BUILTIN_REWARDS["exact_match"],
+        reward_fn_name=f"{agent.name}'s rubric",
     )
 
 
