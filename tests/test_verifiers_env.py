@@ -303,3 +303,23 @@ def test_the_shared_routes_take_the_run_from_model():
         with pytest.raises(openai.NotFoundError, match="no agent run 'gone'"):
             client.chat.completions.create(model="sample:gone", messages=hello)
         assert len(backend.calls) == 2
+
+
+def test_a_verifiers_run_reads_no_data_keys():
+    """Its rows are the environment's: a `data.path` that does not exist is never read."""
+    from asyncrl.config.keys import build_config
+    from asyncrl.train.components import load_run_task
+
+    config = build_config(
+        {},
+        [
+            "agent.name=verifiers:asyncrl_calculator",
+            "agent.args={num_tasks: 5}",
+            "data.task=jsonl",
+            "data.path=/no/such/file.jsonl",
+        ],
+    )
+    task = load_run_task(config)
+    assert [e.origin for e in task.examples] == [
+        f"verifiers:asyncrl_calculator[{i}]" for i in range(5)
+    ]
