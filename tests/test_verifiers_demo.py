@@ -152,3 +152,94 @@ def test_the_held_out_evaluation_runs_the_test_tasks_as_agent_runs(tmp_path):
     for value in (held.accuracy, held.tool_use):
         assert 0.0 <= value <= 1.0 and not math.isnan(value)
     assert held.reward == pytest.approx(held.accuracy + 0.1 * held.tool_use)
+
+
+def chat_tokens():
+    from asyncrl.rollout.chat_tokens import ChatTokens
+
+    tokenizer = train_tokenizer(400, chat=True)
+    tokenizer.chat_template = demo.chat_template()
+    return ChatTokens(tokenizer, int(tokenizer.eos_token_id))
+
+
+def test_a_warm_start_transcript_is_the_episode_the_endpoint_would_hold():
+    """The tokens are the template's rendering of the whole episode (the prompt exactly as the
+    endpoint renders the first request), and the trained ones are the model's own turns: the
+    call the endpoint's parser reads back, the reply with the answer, each closed by its end
+    of turn; the question's, the tools' and the tool answer's tokens are not trained."""
+    chat = chat_tokens()
+    tokenizer = chat.tokenizer
+    t = demo.transcript(chat, demo.EXAMPLE_TOOLS, "37 * 12", 444)
+    assert len(t.ids) == len(t.trained)
+    question = {"role": "user", "content": "What is 37 * 12? Use the calculator tool, then give "
+                "the final answer as a number."}  # fmt: skip
+    prompt = chat.render([question], demo.EXAMPLE_TOOLS)
+    assert t.ids[: len(prompt)] == prompt and not any(t.trained[: len(prompt)])
+    whole = chat.template([*demo.example_conversation()], False, demo.EXAMPLE_TOOLS)
+    assert tokenizer.decode(t.ids) == whole.rstrip("\n")
+    # the trained tokens: two spans, the call and the reply, each ending at the turn's end
+    spans, run = [], []
+    for token, trained in zip(t.ids, t.trained, strict=True):
+        if trained:
+            run.append(token)
+        elif run:
+            spans.append(run)
+            run = []
+    spans.append(run)
+    assert [s[-1] for s in spans] == [chat.eos_id, chat.eos_id]
+    call_text, reply = (tokenizer.decode(s[:-1]) for s in spans)
+    _, calls = parse_hermes(call_text)
+    assert [json.loads(c["function"]["arguments"]) for c in calls] == [{"expression": "37 * 12"}]
+    assert reply == "37 * 12 = 444"
+    # between them, the tool's answer as the endpoint continues the history (not trained)
+    between = t.ids[len(prompt) + len(spans[0]) : len(t.ids) - len(spans[1])]
+    assert "<tool_response>\n444\n</tool_response>" in tokenizer.decode(between)
+    with pytest.raises(RuntimeError, match="the calculator says 444"):
+        demo.transcript(chat, demo.EXAMPLE_TOOLS, "37 * 12", 445)
+
+
+def test_the_report_names_the_model_before_the_warm_start(tmp_path):
+    warm = tmp_path / "warm"
+    warm.mkdir()
+    (warm / demo.WARM_RECORD).write_text(json.dumps({"from": str(tmp_path / "model")}))
+    run = tmp_path / "run"
+    write_run(run)
+    (run / "config.yaml").write_text(f"model:\n  path: {warm}\n")
+    saved = json.loads((run / demo.HELDOUT_FILE).read_text())
+    saved["prepared"] = {**saved["before"], "accuracy": 0.0, "tool_use": 0.0}
+    (run / demo.HELDOUT_FILE).write_text(json.dumps(saved))
+    lines = demo.report(run).splitlines()
+    assert lines[0] == "prepared model, before the warm start: accuracy 0.000, tool use 0%"
+    assert lines[1].startswith("held-out (64 test tasks, greedy): accuracy 0.100 -> 0.500")
+    # a heldout.json without the prepared model's figures is evaluated again, not misread
+    del saved["prepared"]
+    (run / demo.HELDOUT_FILE).write_text(json.dumps(saved))
+    with pytest.raises(Exception):  # noqa: B017 (no model there to evaluate)
+        demo.report(run)
+
+
+@pytest.mark.slow
+def test_the_warm_start_captures_the_harness_tools_and_trains_on_their_rendering(
+    tmp_path, monkeypatch
+):
+    """On agent_math's tiny model: the tools are captured from a real episode of verifiers'
+    harness (the environment's `calc_calculate`, its description the tool's docstring), the
+    question re-rendered with them is that episode's prompt token for token, and a warm start
+    on 8 transcripts lowers the loss on them and writes a model that loads."""
+    from asyncrl.examples.agent_math import prepare
+    from asyncrl.models.policy import load_pretrained_policy
+
+    files = prepare(tmp_path / "agent_math", test_rows=4, warm_steps=(20, 10))
+    tools, prompt = demo.capture_tools(files["model"])
+    assert [t["function"]["name"] for t in tools] == ["calc_calculate"]
+    assert tools[0]["function"]["description"].startswith("Evaluate an arithmetic expression")
+    assert len(prompt) > 20
+    monkeypatch.setattr(demo, "WARM_TASKS", 8)
+    monkeypatch.setattr(demo, "WARM_BATCH", 4)
+    monkeypatch.setattr(demo, "WARM_EPOCHS", 3)
+    monkeypatch.setattr(demo, "WARM_LR", 1e-3)
+    record = demo.warm_start(files["model"], tmp_path / "warm", log=lambda _: None)
+    assert len(record["losses"]) == 6
+    assert record["losses"][-1] < record["losses"][0]
+    assert demo.warmed_from(tmp_path / "warm") == files["model"]
+    assert load_pretrained_policy(tmp_path / "warm").tokenizer.chat_template is not None
