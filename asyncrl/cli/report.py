@@ -16,6 +16,13 @@ if TYPE_CHECKING:
 
 
 SUMMED = ("generation_s", "train_s", "wait_s")
+SIGNAL_FIELDS = {
+    "truncated_share": "cut at the length limit",
+    "zero_variance_groups": "groups with no variance",
+    "zero_reward_groups": "groups that earned nothing",
+    "partial_reward_share": "partial rewards",
+}
+"""The summary's `learning` line: a step field, and what it is called there."""
 
 
 @dataclass
@@ -30,11 +37,17 @@ class Summary:
     """Evaluated step -> its `eval/...` fields (the last record of a step counts)."""
     initial_eval: dict[str, Any] | None = None
     """The initial weights' evaluation (`eval.at_start`), with `step` -1."""
+    signals: dict[str, array] = field(
+        default_factory=lambda: {k: array("f") for k in SIGNAL_FIELDS}
+    )
+    """Why a run may not be learning (`asyncrl.train.learning`); NaN where a step has none."""
+    advice: dict[str, str] = field(default_factory=dict)
+    """What the run said of them (`not_learning` events: signal -> message, the last)."""
     wall_s: float = 0.0
 
     def add(self, r: dict[str, Any]) -> None:
         t = int(r["step"])
-        columns = [self.reward, self.stale, *self.seconds.values()]
+        columns = [self.reward, self.stale, *self.seconds.values(), *self.signals.values()]
         if t >= len(self.reward):
             for column in columns:
                 column.extend([math.nan] * (t + 1 - len(column)))
@@ -42,6 +55,8 @@ class Summary:
         self.stale[t] = t - r["generation_version_min"]
         for key, column in self.seconds.items():
             column[t] = r[key]
+        for key, column in self.signals.items():
+            column[t] = r.get(key, math.nan)
         if any(key.startswith("eval/") for key in r):  # an evaluated step
             self.evals[t] = _eval_fields(r)
         else:
@@ -61,6 +76,11 @@ def read_initial_eval(events: Iterable[dict[str, Any]]) -> dict[str, Any] | None
         if e.get("event") == "eval" and e.get("version") == 0:
             found = {"step": -1, **{k: v for k, v in e.items() if k.startswith("eval/")}}
     return found
+
+
+def read_advice(events: Iterable[dict[str, Any]]) -> dict[str, str]:
+    """What the run said of its learning (`not_learning` events: signal -> its last message)."""
+    return {str(e["signal"]): str(e["message"]) for e in events if e.get("event") == "not_learning"}
 
 
 def read_summary(metrics: Iterable[dict[str, Any]]) -> Summary:
@@ -100,12 +120,26 @@ def summarize(summary: Summary, run_dir: Path) -> str:
             summary.initial_eval or (summary.evals[min(summary.evals)] if summary.evals else None),
             summary.evals[max(summary.evals)] if summary.evals else None,
         ),
+        *_learning_lines(summary, present),
         "  files         config.yaml metrics.jsonl events.jsonl timeline.jsonl "
         "reward_curve.png final_model/ checkpoints/"
         + "".join(f" {d}/" for d in OPTIONAL_DIRS if (run_dir / d).exists()),
         f"  check         asyncrl audit {run_dir}   |   asyncrl inspect {run_dir}",
     ]
     return "\n".join(lines)
+
+
+def _learning_lines(summary: Summary, present: np.ndarray) -> list[str]:
+    """The shares of `SIGNAL_FIELDS` over the last 10% of the steps (those the run recorded),
+    and what the run said of them."""
+    parts = []
+    for key, name in SIGNAL_FIELDS.items():
+        values = np.asarray(summary.signals[key], dtype=np.float64)[present]
+        values = values[~np.isnan(values)]
+        if len(values):
+            parts.append(f"{name} {_window_mean(values, False):.0%}")
+    lines = [f"  learning      last 10%: {', '.join(parts)}"] if parts else []
+    return lines + [f"  not learning? {message}" for message in summary.advice.values()]
 
 
 OPTIONAL_DIRS = ("final_adapter", "tensorboard", "wandb", "mlruns")
@@ -160,7 +194,9 @@ def end_of_run_report(run_dir: Path, plot: bool) -> str:
     from asyncrl.train.records import iter_jsonl
 
     summary = read_summary(iter_jsonl(run_dir / "metrics.jsonl"))
-    summary.initial_eval = read_initial_eval(iter_jsonl(run_dir / "events.jsonl"))
+    events = list(iter_jsonl(run_dir / "events.jsonl"))
+    summary.initial_eval = read_initial_eval(events)
+    summary.advice = read_advice(events)
     if plot and len(summary.reward):
         data, age = run_plot_data(run_dir)
         plot_reward_curve(data, run_dir / "reward_curve.png")

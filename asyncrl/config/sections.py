@@ -65,6 +65,13 @@ class RolloutConfig:
     """Longest completion, in tokens, EOS included."""
     temperature: float = 1.0
     """Sampling temperature; the trainer scores tokens at the same temperature."""
+    overlong_buffer: int = 0
+    """DAPO's soft overlong penalty: a completion longer than `max_new_tokens -
+    overlong_buffer` tokens loses `overlong_penalty` x (its excess / `overlong_buffer`) of
+    reward, the whole `overlong_penalty` at `max_new_tokens` (logged as `reward/overlong`);
+    single-turn completions only. 0: off (asyncrl/rollout/overlong.py)."""
+    overlong_penalty: float = 1.0
+    """With `overlong_buffer`: the penalty at `max_new_tokens`."""
     max_trajectory_age_steps: int = field(default=1, metadata=NEVER_CHANGES)
     """A: a group trained at step t was generated with weights versions in [t-A, t].
     0 is exactly synchronous, on-policy training."""
@@ -131,6 +138,15 @@ class RolloutConfig:
         for key in ("num_prompts_per_step", "num_generations_per_prompt", "max_new_tokens"):
             _require(getattr(self, key) >= 1, f"rollout.{key}", getattr(self, key), ">= 1")
         _require(self.temperature > 0, "rollout.temperature", self.temperature, "> 0")
+        _require(
+            0 <= self.overlong_buffer < self.max_new_tokens,
+            "rollout.overlong_buffer",
+            self.overlong_buffer,
+            f">= 0 and < rollout.max_new_tokens={self.max_new_tokens}",
+        )
+        _require(
+            self.overlong_penalty >= 0, "rollout.overlong_penalty", self.overlong_penalty, ">= 0"
+        )
         _require(
             self.max_generation_failures >= 1,
             "rollout.max_generation_failures",
@@ -484,6 +500,12 @@ class Config:
     def _validate_episodes(self) -> None:
         """What multi-turn episodes (`env.name`) do not run with yet."""
         _require(
+            self.rollout.overlong_buffer == 0,
+            "rollout.overlong_buffer",
+            self.rollout.overlong_buffer,
+            "0 with env.name set (the overlong penalty is for single-turn completions)",
+        )
+        _require(
             self.eval.every_steps == 0,
             "eval.every_steps",
             self.eval.every_steps,
@@ -502,6 +524,12 @@ class Config:
         """What agent runs (`agent.name`) do not run with."""
         name = f"with agent.name={self.agent.name}"
         _require(not self.env.name, "env.name", self.env.name, f"empty {name} (one mode a run)")
+        _require(
+            self.rollout.overlong_buffer == 0,
+            "rollout.overlong_buffer",
+            self.rollout.overlong_buffer,
+            f"0 {name} (the overlong penalty is for single-turn completions)",
+        )
         _require(
             self.eval.every_steps == 0,
             "eval.every_steps",

@@ -39,6 +39,7 @@ from asyncrl.rollout.engine import (
 )
 from asyncrl.rollout.episodes import EpisodeRunner
 from asyncrl.rollout.evaluation import Evaluator, build_evaluator, task_reward_pool
+from asyncrl.rollout.overlong import with_overlong_penalty
 from asyncrl.rollout.reward_pool import RewardPool
 from asyncrl.rollout.rollouts import Chunk, EpisodeTurns, PassOptions, Rollout, SingleTurns
 from asyncrl.rollout.scorer import Scorer
@@ -78,6 +79,9 @@ class Components:
     resume)."""
     agents: AgentRuns | None = None
     """With `agent.name`: the agent runs (their log, for the checkpoint and the resume)."""
+    end_id: int = -1
+    """The token a sample's turn ends with (the engine's eos): a sample whose last token is
+    another was cut at the length limit (`asyncrl.train.learning`)."""
 
     def stop_generation(self) -> None:
         """Stops the collector: asks it to stop, stops the reward workers (a reward call that
@@ -232,7 +236,7 @@ def build_components(
     )
     return Components(
         policy, task, stream, ledger, buffer, weights, engine, collector, algo, scorer, shutdown,
-        evaluator, cores, episodes, agents,
+        evaluator, cores, episodes, agents, eos_id,
     )  # fmt: skip
 
 
@@ -271,7 +275,12 @@ def _rollout(
     )
     if episodes is not None:
         return EpisodeTurns(options, episodes)
-    return SingleTurns(options, prompts, scorer.score)
+    if not rollout.overlong_buffer:
+        return SingleTurns(options, prompts, scorer.score)
+    # the run's own rewards only: an evaluation scores the answers alone
+    score = with_overlong_penalty(scorer.score, rollout.max_new_tokens, rollout.overlong_buffer,
+                                  rollout.overlong_penalty)  # fmt: skip
+    return SingleTurns(options, prompts, score)
 
 
 def _turn_end(config: Config, policy: Policy) -> int:

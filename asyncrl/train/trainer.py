@@ -54,6 +54,7 @@ from asyncrl.rollout.evaluation import EvaluationGivenUp, eval_line, is_eval_rec
 from asyncrl.rollout.rollouts import Chunk
 from asyncrl.train.components import build_components
 from asyncrl.train.kept import RolloutKeeper, held_by
+from asyncrl.train.learning import Knobs, LearningWatch, learning_fields, learning_window
 from asyncrl.train.preemption import (
     Deadlines,
     answer_notice,
@@ -168,6 +169,18 @@ class Trainer:
         self.writer = CheckpointWriter(
             run.store, config_hash(config), config.checkpoint.keep_last, self._saved
         )
+        rollout = config.rollout
+        format_reward = config.data.format_reward if config.data.reward_fn == "math" else None
+        self.learning = LearningWatch(
+            Knobs(
+                rollout.max_new_tokens,
+                rollout.num_generations_per_prompt,
+                rollout.temperature,
+                None if config.agent.name or config.env.name else format_reward,
+            ),
+            window=learning_window(config.run.max_num_steps),
+        )
+        """Says once, with the knob, when a run is not learning (`asyncrl.train.learning`)."""
 
     # --- state ----------------------------------------------------------------------------
 
@@ -345,6 +358,7 @@ class Trainer:
         self.publish_weights(step + 1)
         fault_point("train.weights_published", step=step)
         record = step_record(step, self.attempt, groups, algo_metrics)
+        record.update(learning_fields(groups, self.parts.end_id))
         evaluated = self._evaluate(step + 1)
         record.update(
             wall_s=time.perf_counter() - self._start_s,
@@ -359,6 +373,10 @@ class Trainer:
             **evaluated,
         )
         self.logs.write_step(record)
+        for signal, share, message in self.learning.observe(record):
+            self.logs.events.emit("not_learning", step=step, signal=signal, share=share,
+                                  message=message)  # fmt: skip
+            tqdm.write(f"asyncrl: not learning? {message}", file=sys.stderr)
         self._wall_s = record["wall_s"]
         self.step = step + 1
         return record
@@ -479,11 +497,18 @@ class Trainer:
         self.logs.timeline.write(generation_span(chunk, self.attempt))
 
     def _postfix(self, record: dict[str, Any]) -> str:
+        """reward, buffer, staleness; and the share cut at the length limit (`cut`) and of
+        groups with nothing to learn (`flat`), where any."""
         capacity = self.parts.buffer.capacity
+        signals = "".join(
+            f" {name}={record[key]:.0%}"
+            for name, key in (("cut", "truncated_share"), ("flat", "zero_variance_groups"))
+            if record.get(key)
+        )
         return (
             f"reward={record['reward_mean']:.3f} "
             f"buf={record['buffer_groups']}/{capacity} "
-            f"stale={record['step'] - record['generation_version_min']}"
+            f"stale={record['step'] - record['generation_version_min']}{signals}"
         )
 
     def finish(self) -> None:
