@@ -155,12 +155,20 @@ def prepare(
     out.mkdir(parents=True, exist_ok=True)
     paths = {"train": out / "train.parquet", "test": out / "test.parquet", "model": out / "model"}
     rows = [chat_row(*p) for p in problems(train_rows + test_rows, seed)]
-    for split, part in (("test", rows[:test_rows]), ("train", rows[test_rows:])):
-        if not _holds(paths[split], part):
-            datasets.Dataset.from_list(part).to_parquet(str(paths[split]))
+    write_splits(paths, rows, test_rows)
     if with_model:
         prepare_model("smollm2-135m-instruct", paths["model"])
     return paths
+
+
+def write_splits(paths: dict[str, Path], rows: list[dict[str, Any]], test_rows: int) -> None:
+    """The first `test_rows` rows to `paths["test"]`, the rest to `paths["train"]` (parquet),
+    each file kept where it holds its rows already."""
+    import datasets
+
+    for split, part in (("test", rows[:test_rows]), ("train", rows[test_rows:])):
+        if not _holds(paths[split], part):
+            datasets.Dataset.from_list(part).to_parquet(str(paths[split]))
 
 
 def _holds(path: Path, rows: list[dict[str, Any]]) -> bool:

@@ -229,23 +229,15 @@ def prepare(
     there with these rows); returns their paths."""
     import datasets
 
+    from asyncrl.examples.smol_math import write_splits
+
     datasets.disable_progress_bars()
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     paths = {"train": out / "train.parquet", "test": out / "test.parquet"}
     rows = [chat_row(t, p) for t, p in problems(family, train_rows + test_rows, seed)]
-    for split, part in (("test", rows[:test_rows]), ("train", rows[test_rows:])):
-        if not _holds(paths[split], part):
-            datasets.Dataset.from_list(part).to_parquet(str(paths[split]))
+    write_splits(paths, rows, test_rows)
     return paths
-
-
-def _holds(path: Path, rows: list[dict[str, Any]]) -> bool:
-    if not path.exists():
-        return False
-    import pyarrow.parquet as pq
-
-    return bool(pq.read_table(path).to_pylist() == rows)
 
 
 def main(argv: list[str] | None = None) -> None:
