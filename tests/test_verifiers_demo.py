@@ -15,6 +15,7 @@ from transformers.utils.chat_template_utils import render_jinja_template
 
 from asyncrl.agents.tool_calls import parse_hermes, template_messages
 from asyncrl.examples import verifiers_demo as demo
+from asyncrl.examples import verifiers_warm_start as warm_start
 from asyncrl.models.scratch import TOOL_CHAT_TEMPLATE, train_tokenizer
 
 
@@ -169,7 +170,7 @@ def test_a_warm_start_transcript_is_the_episode_the_endpoint_would_hold():
     of turn; the question's, the tools' and the tool answer's tokens are not trained."""
     chat = chat_tokens()
     tokenizer = chat.tokenizer
-    t = demo.transcript(chat, demo.EXAMPLE_TOOLS, "37 * 12", 444)
+    t = warm_start.transcript(chat, demo.EXAMPLE_TOOLS, "37 * 12", 444)
     assert len(t.ids) == len(t.trained)
     question = {"role": "user", "content": "What is 37 * 12? Use the calculator tool, then give "
                 "the final answer as a number."}  # fmt: skip
@@ -195,13 +196,13 @@ def test_a_warm_start_transcript_is_the_episode_the_endpoint_would_hold():
     between = t.ids[len(prompt) + len(spans[0]) : len(t.ids) - len(spans[1])]
     assert "<tool_response>\n444\n</tool_response>" in tokenizer.decode(between)
     with pytest.raises(RuntimeError, match="the calculator says 444"):
-        demo.transcript(chat, demo.EXAMPLE_TOOLS, "37 * 12", 445)
+        warm_start.transcript(chat, demo.EXAMPLE_TOOLS, "37 * 12", 445)
 
 
 def test_the_report_names_the_model_before_the_warm_start(tmp_path):
     warm = tmp_path / "warm"
     warm.mkdir()
-    (warm / demo.WARM_RECORD).write_text(json.dumps({"from": str(tmp_path / "model")}))
+    (warm / warm_start.WARM_RECORD).write_text(json.dumps({"from": str(tmp_path / "model")}))
     run = tmp_path / "run"
     write_run(run)
     (run / "config.yaml").write_text(f"model:\n  path: {warm}\n")
@@ -230,15 +231,15 @@ def test_the_warm_start_captures_the_harness_tools_and_trains_on_their_rendering
     from asyncrl.models.policy import load_pretrained_policy
 
     files = prepare(tmp_path / "agent_math", test_rows=4, warm_steps=(20, 10))
-    tools, prompt = demo.capture_tools(files["model"])
+    tools, prompt = warm_start.capture_tools(files["model"])
     assert [t["function"]["name"] for t in tools] == ["calc_calculate"]
     assert tools[0]["function"]["description"].startswith("Evaluate an arithmetic expression")
     assert len(prompt) > 20
-    monkeypatch.setattr(demo, "WARM_TASKS", 8)
-    monkeypatch.setattr(demo, "WARM_BATCH", 4)
-    monkeypatch.setattr(demo, "WARM_EPOCHS", 3)
-    monkeypatch.setattr(demo, "WARM_LR", 1e-3)
-    record = demo.warm_start(files["model"], tmp_path / "warm", log=lambda _: None)
+    monkeypatch.setattr(warm_start, "WARM_TASKS", 8)
+    monkeypatch.setattr(warm_start, "WARM_BATCH", 4)
+    monkeypatch.setattr(warm_start, "WARM_EPOCHS", 3)
+    monkeypatch.setattr(warm_start, "WARM_LR", 1e-3)
+    record = warm_start.warm_start(files["model"], tmp_path / "warm", log=lambda _: None)
     assert len(record["losses"]) == 6
     assert record["losses"][-1] < record["losses"][0]
     assert demo.warmed_from(tmp_path / "warm") == files["model"]
