@@ -9,8 +9,11 @@ import json
 
 import pytest
 import torch
+from helpers import read_records, small_config, train_and_report
 
+import asyncrl.train.trainer as trainer_module
 from asyncrl.cli.report import end_of_run_report
+from asyncrl.config import ConfigError
 from asyncrl.core.types import Group, PromptTicket
 from asyncrl.train.learning import (
     Knobs,
@@ -196,13 +199,6 @@ def test_a_run_cut_at_its_length_limit_says_so_once_and_its_summary_names_the_kn
     rollout.max_new_tokens=3, and none is right (`exact_match`). Each record's share is
     checked against the trained groups counted another way (a row is cut when no eos is among
     its tokens); after the 5th step the run says so once, in events.jsonl and the summary."""
-    import sys
-    from pathlib import Path
-
-    import asyncrl.train.trainer as trainer_module
-
-    sys.path.insert(0, str(Path(__file__).parent))
-    from helpers import read_records, small_config, train_and_report
 
     trained: list[tuple[list[Group], int]] = []
     fields = trainer_module.learning_fields
@@ -276,11 +272,6 @@ def test_a_run_with_the_penalty_logs_it_and_its_evaluation_scores_answers_alone(
     """rollout.overlong_buffer=2 of max_new_tokens=6: the records' reward/overlong is the
     mean penalty (0 or below), reward_mean the task's reward plus it; the evaluation's reward
     has no penalty in it (its completions are as long, its reward is the task's)."""
-    import sys
-    from pathlib import Path
-
-    sys.path.insert(0, str(Path(__file__).parent))
-    from helpers import read_records, small_config, train_and_report
 
     config = small_config("rollout.max_new_tokens=6", "rollout.overlong_buffer=2",
                           "eval.every_steps=3", "eval.max_examples=8")  # fmt: skip
@@ -303,13 +294,6 @@ def test_a_run_with_the_penalty_logs_it_and_its_evaluation_scores_answers_alone(
     ],
 )
 def test_bad_overlong_settings_are_refused_naming_the_key(overrides, message):
-    import sys
-    from pathlib import Path
-
-    from asyncrl.config import ConfigError
-
-    sys.path.insert(0, str(Path(__file__).parent))
-    from helpers import small_config
 
     with pytest.raises(ConfigError, match=message):
         small_config(*overrides).validate()
