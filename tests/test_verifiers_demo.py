@@ -231,7 +231,8 @@ def test_the_warm_start_captures_the_harness_tools_and_trains_on_their_rendering
     from asyncrl.models.policy import load_pretrained_policy
 
     files = prepare(tmp_path / "agent_math", test_rows=4, warm_steps=(20, 10))
-    tools, prompt = warm_start.capture_tools(files["model"])
+    prompt = demo.first_prompt(files["model"])
+    tools = warm_start.capture_tools(files["model"], prompt)
     assert [t["function"]["name"] for t in tools] == ["calc_calculate"]
     assert tools[0]["function"]["description"].startswith("Evaluate an arithmetic expression")
     assert len(prompt) > 20
@@ -239,7 +240,7 @@ def test_the_warm_start_captures_the_harness_tools_and_trains_on_their_rendering
     monkeypatch.setattr(warm_start, "WARM_BATCH", 4)
     monkeypatch.setattr(warm_start, "WARM_EPOCHS", 3)
     monkeypatch.setattr(warm_start, "WARM_LR", 1e-3)
-    record = warm_start.warm_start(files["model"], tmp_path / "warm", log=lambda _: None)
+    record = warm_start.warm_start(files["model"], tmp_path / "warm", prompt, log=lambda _: None)
     assert len(record["losses"]) == 6
     assert record["losses"][-1] < record["losses"][0]
     assert demo.warmed_from(tmp_path / "warm") == files["model"]

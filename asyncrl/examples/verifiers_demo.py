@@ -114,7 +114,7 @@ def prepare(out: str | Path, warm: bool = True) -> dict[str, Path]:
     ):
         print(f"{warmed}: the warm start is already there (kept)")
     else:
-        warm_start(model, warmed)
+        warm_start(model, warmed, first_prompt(model))
     return {"model": model, "warm": warmed}
 
 
@@ -228,6 +228,14 @@ class _Collected:
 
     def newest(self) -> int | None:
         return 0
+
+
+def first_prompt(model_dir: str | Path) -> list[int]:
+    """The prompt of one real episode of the train split's first task against `model_dir`
+    (one call of a few tokens): what the endpoint renders for verifiers' requests, tools and
+    all (the warm start's transcripts are rendered to match it)."""
+    groups, _ = episodes(model_dir, "train", 1, max_calls=1, call_tokens=4, episode_tokens=4)
+    return list(groups[0].prompt_ids)
 
 
 def episodes(

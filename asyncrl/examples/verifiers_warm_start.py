@@ -37,20 +37,17 @@ class Transcript:
     trained: list[bool]
 
 
-def capture_tools(model_dir: Path) -> tuple[list[dict[str, Any]], list[int]]:
+def capture_tools(model_dir: Path, prompt: list[int]) -> list[dict[str, Any]]:
     """The tools verifiers' harness lists in its requests, as the run's endpoint rendered them:
-    one real episode of the train split's first task against `model_dir` (one call of a few
-    tokens), its prompt's `<tools>` lines read back as JSON. Raises unless the chat template
-    renders the question with those tools to exactly the prompt's tokens (so transcripts
-    rendered with them are the tokens a run sees). Returns the tools and the prompt's ids."""
+    `prompt` is the prompt of one real episode of the train split's first task against
+    `model_dir` (`verifiers_demo.first_prompt`), its `<tools>` lines read back as JSON. Raises
+    unless the chat template renders the question with those tools to exactly the prompt's
+    tokens (so transcripts rendered with them are the tokens a run sees)."""
     from asyncrl_calculator.arithmetic import QUESTION, questions
     from transformers import AutoTokenizer
 
-    from asyncrl.examples.verifiers_demo import episodes
     from asyncrl.rollout.chat_tokens import ChatTokens
 
-    groups, _ = episodes(model_dir, "train", 1, max_calls=1, call_tokens=4, episode_tokens=4)
-    prompt = list(groups[0].prompt_ids)
     tokenizer = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
     text = str(tokenizer.decode(prompt))
     if "<tools>\n" not in text or "\n</tools>" not in text:
@@ -66,7 +63,7 @@ def capture_tools(model_dir: Path) -> tuple[list[dict[str, Any]], list[int]]:
             "the question rendered with the captured tools is not the episode's prompt:\n"
             f"{tokenizer.decode(rendered)}\n---\n{text}"
         )
-    return tools, prompt
+    return tools
 
 
 def transcript(chat: Any, tools: list[dict[str, Any]], expression: str, answer: int) -> Transcript:
@@ -113,12 +110,13 @@ def warm_settings(model_dir: Path) -> dict[str, Any]:
     }
 
 
-def warm_start(model_dir: Path, out: Path, log: Any = print) -> dict[str, Any]:
+def warm_start(model_dir: Path, out: Path, prompt: list[int], log: Any = print) -> dict[str, Any]:
     """Supervised fine-tuning of `model_dir` on `WARM_TASKS` transcripts (`transcript`) of the
     train split's questions from `WARM_FIRST` on, written to `out` (weights in fp32, the
     tokenizer and its template as they were): every parameter, AdamW at `WARM_LR`, batches of
     `WARM_BATCH`, `WARM_EPOCHS` epochs, the loss the mean over the model's own tokens (the
-    calls and the replies). Returns what `out/warm_start.json` records."""
+    calls and the replies); `prompt` is a real episode's prompt, as `capture_tools` takes it.
+    Returns what `out/warm_start.json` records."""
     import random
 
     import torch
@@ -128,7 +126,7 @@ def warm_start(model_dir: Path, out: Path, log: Any = print) -> dict[str, Any]:
     from asyncrl.rollout.chat_tokens import ChatTokens
 
     start = time.perf_counter()
-    tools, _ = capture_tools(model_dir)
+    tools = capture_tools(model_dir, prompt)
     tokenizer = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
     chat = ChatTokens(tokenizer, int(tokenizer.eos_token_id))
     drawn = list(questions("train", WARM_FIRST + WARM_TASKS))[WARM_FIRST:]
