@@ -59,6 +59,14 @@ class DataConfig:
     """For `reward_fn=math`: the weight of a format bonus, 1 when the completion has exactly one
     `\\boxed{}` and something in it (components `reward/correct` and `reward/format` are
     logged)."""
+    fewshot: int = 0
+    """For `task=hf` with chat prompts: put this many solved rows of the training split in front
+    of each prompt (training and evaluation alike), as user and assistant turns after the
+    system message; drawn per row, the same on every launch and seed, never the row's own
+    question, and part of the dataset's identity (docs/datasets.md). 0: the prompts as they are."""
+    fewshot_key: str = ""
+    """With `fewshot`: the column holding a demonstration's answer (a worked solution). Empty:
+    `The answer is \\boxed{ANSWER}.` with `reward_fn=math`, else the answer itself."""
     num_digits: int = 5
     """For `sort_digits`: digits per prompt."""
     num_examples: int = 4096
@@ -84,6 +92,19 @@ class DataConfig:
                 f"{', '.join(BUILTIN_REWARDS)} or look like 'module:function'"
             )
         require(self.format_reward >= 0, "data.format_reward", self.format_reward, ">= 0")
+        require(self.fewshot >= 0, "data.fewshot", self.fewshot, ">= 0")
+        require(
+            not self.fewshot or self.task == "hf",
+            "data.fewshot",
+            self.fewshot,
+            f"0 with data.task={self.task} (demonstrations come from a task=hf training split)",
+        )
+        require(
+            not self.fewshot_key or self.fewshot > 0,
+            "data.fewshot_key",
+            self.fewshot_key,
+            "empty unless data.fewshot > 0",
+        )
         if self.format_reward and self.reward_target != BUILTIN_REWARDS["math"]:
             raise ConfigError(
                 f"data.format_reward: {self.format_reward} is an option of reward_fn=math; "

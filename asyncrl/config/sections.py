@@ -500,6 +500,12 @@ class Config:
     def _validate_episodes(self) -> None:
         """What multi-turn episodes (`env.name`) do not run with yet."""
         _require(
+            self.data.fewshot == 0,
+            "data.fewshot",
+            self.data.fewshot,
+            "0 with env.name set (demonstrations are for single-turn chat prompts)",
+        )
+        _require(
             self.rollout.overlong_buffer == 0,
             "rollout.overlong_buffer",
             self.rollout.overlong_buffer,
@@ -524,6 +530,12 @@ class Config:
         """What agent runs (`agent.name`) do not run with."""
         name = f"with agent.name={self.agent.name}"
         _require(not self.env.name, "env.name", self.env.name, f"empty {name} (one mode a run)")
+        _require(
+            self.data.fewshot == 0,
+            "data.fewshot",
+            self.data.fewshot,
+            f"0 {name} (demonstrations are for single-turn chat prompts)",
+        )
         _require(
             self.rollout.overlong_buffer == 0,
             "rollout.overlong_buffer",

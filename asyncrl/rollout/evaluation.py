@@ -67,17 +67,19 @@ def eval_examples(config: Config) -> list[Example]:
             raise ConfigError("eval.path: required with data.task=jsonl (a .jsonl file)")
         examples = read_jsonl_examples(ev.path)
     else:
-        from asyncrl.tasks.hf_data import read_hf_examples
+        from asyncrl.tasks.hf_data import read_hf_examples, with_fewshot
 
         if ev.path:
             split = "train" if Path(ev.path).is_file() else ev.split  # a file is one split
-            return read_hf_examples(data, ev.path, split, "eval.path", limit)
-        if Path(data.path).is_file():
+            examples = read_hf_examples(data, ev.path, split, "eval.path", limit)
+        elif Path(data.path).is_file():
             raise ConfigError(
                 f"eval.path: data.path {data.path} is one file (split train only); give the "
                 "evaluation prompts as eval.path"
             )
-        return read_hf_examples(data, data.path, ev.split, "eval.split", limit)
+        else:
+            examples = read_hf_examples(data, data.path, ev.split, "eval.split", limit)
+        return with_fewshot(data, examples, "eval")
     return examples[:limit] if limit else examples
 
 

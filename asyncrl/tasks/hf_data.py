@@ -13,7 +13,14 @@ from pathlib import Path
 from typing import Any
 
 from asyncrl.config import ConfigError, DataConfig
+from asyncrl.config.data import BUILTIN_REWARDS
 from asyncrl.tasks.examples import Example, Message
+from asyncrl.tasks.fewshot import (
+    Demonstration,
+    default_response,
+    demonstration,
+    with_demonstrations,
+)
 
 FILE_BUILDERS = {
     ".jsonl": "json",
@@ -69,7 +76,46 @@ def read_hf_examples(
 ) -> list[Example]:
     """Every row (the first `limit` if > 0) of `path`'s `split` as an example, read with
     `config`'s keys. A missing column names it and the columns there are; a bad row names
-    `path:row N`, N counted from 1 (the first row is row 1: for a JSONL file, its line)."""
+    `path:row N`, N counted from 1 (the first row is row 1: for a JSONL file, its line).
+    Without `data.fewshot`: the rows as they are."""
+    return _read(config, path, split, key, limit)[1]
+
+
+def with_fewshot(config: DataConfig, examples: list[Example], label: str) -> list[Example]:
+    """`examples` (split `label`'s rows: `train` or `eval`) with `data.fewshot`
+    demonstrations each from the training split (`asyncrl.tasks.fewshot`); unchanged at 0."""
+    if not config.fewshot:
+        return examples
+    return with_demonstrations(examples, read_demonstrations(config), config.fewshot, label)
+
+
+def read_demonstrations(config: DataConfig) -> list[Demonstration]:
+    """The training split's rows as solved examples: each answered by its `data.fewshot_key`
+    column, or `default_response`. An empty or missing solution names its row."""
+    rows, examples = _read(config, config.path, config.split, "data.path", 0)
+    column = config.fewshot_key
+    if column and column not in rows.column_names:
+        raise ConfigError(
+            f"data.fewshot_key: column {column!r} is not in {config.path} "
+            f"(its columns: {', '.join(rows.column_names)})"
+        )
+    math = config.reward_target == BUILTIN_REWARDS["math"]
+    pool = []
+    for example, response in zip(
+        examples, rows[column] if column else [None] * len(examples), strict=True
+    ):
+        if column and not (isinstance(response, str) and response.strip()):
+            raise ConfigError(
+                f"{example.origin}: {column!r} (data.fewshot_key) is empty or not text: "
+                f"{response!r}"
+            )
+        pool.append(demonstration(example, response or default_response(example.answer, math)))
+    return pool
+
+
+def _read(
+    config: DataConfig, path: str, split: str, key: str, limit: int
+) -> tuple[Any, list[Example]]:
     rows = load_rows(path, split, key, config.revision if path == config.path else "")
     prompt_key = config.messages_key or config.prompt_key
     key_name = "data.messages_key" if config.messages_key else "data.prompt_key"
@@ -88,7 +134,7 @@ def read_hf_examples(
     ]
     if not examples:
         raise ConfigError(f"{key}: {path} split {split!r} has no rows")
-    return examples
+    return rows, examples
 
 
 def _check_chat_column(rows: Any, prompt_key: str, path: str) -> None:

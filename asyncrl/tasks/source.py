@@ -73,9 +73,9 @@ def task_examples(config: DataConfig) -> list[Example]:
         return guess_number_examples(config.num_examples)
     if config.task == "jsonl":
         return read_jsonl_examples(config.path)
-    from asyncrl.tasks.hf_data import read_hf_examples  # `datasets` only when used
+    from asyncrl.tasks.hf_data import read_hf_examples, with_fewshot  # `datasets` when used
 
-    return read_hf_examples(config, config.path, config.split)
+    return with_fewshot(config, read_hf_examples(config, config.path, config.split), "train")
 
 
 def load_task(config: DataConfig) -> Task:
