@@ -36,10 +36,17 @@ def test_each_templates_answer_is_what_its_question_asks(template):
     make = word_problems.FAMILIES[family][template]
     rng = random.Random(template)
     for _ in range(300):
-        question, answer, steps = make(rng, "Ana")
+        question, answer, steps, solution = make(rng, "Ana")
         numbers = [int(n) for n in re.findall(r"\d+", question)]
         assert ORACLES[template](*numbers) == answer, question
         assert answer >= 0 and 1 <= steps <= 3
+        # the worked solution: each of its equations true, its last the boxed answer
+        equations = re.findall(r"(\d+) ([-+*/]) (\d+) = (\d+)", solution)
+        assert len(equations) == steps, solution
+        for a, op, b, c in equations:
+            assert eval(f"{a} {op} {b}") == int(c), solution
+        assert solution.endswith(f"The answer is \\boxed{{{answer}}}."), solution
+        assert math_reward(solution, str(answer))["correct"] == 1.0
         if template == "buses":  # every seat taken: the division is exact
             classes, students, seats = numbers
             assert classes * students % seats == 0
@@ -56,7 +63,7 @@ def test_the_families_are_disjoint_and_none_is_smol_maths():
 
     theirs = {skeleton(q) for q, _, _ in smol_math.problems(400)}
     for family in ("search", "heldout"):
-        ours = {skeleton(q) for _, (q, _, _) in word_problems.problems(family, 300)}
+        ours = {skeleton(q) for _, (q, *_) in word_problems.problems(family, 300)}
         assert len(ours) >= 6 and not ours & theirs
 
 
@@ -74,6 +81,7 @@ def test_rows_are_one_user_turn_zero_shot_and_the_splits_share_no_question(tmp_p
             "\nPlease reason step by step, and put your final answer within \\boxed{}."
         )
         assert row["template"] in word_problems.FAMILIES["heldout"]
+        assert row["solution"].endswith(f"\\boxed{{{row['answer']}}}.")  # data.fewshot_key
     questions = lambda rows: {r["messages"][0]["content"] for r in rows}  # noqa: E731
     assert not questions(train) & questions(test)
     assert len(questions(train)) == 300

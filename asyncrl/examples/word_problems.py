@@ -12,9 +12,11 @@ problems it was not tuned on.
     python -m asyncrl.examples.word_problems data/word_problems_heldout --family heldout
 
 writes `train.parquet` and `test.parquet` (rows `{"messages": [{"role": "user", ...}],
-"answer": "42", "template": ..., "steps": n}`; no question in both; 256 test rows by default),
-which `configs/smol_math.yaml` reads with `data.path=... eval.path=...` (its `messages_key` and
-`answer_key` are these). Same files for the same arguments; existing files are kept.
+"answer": "42", "solution": "6 * 7 = 42. The answer is \\boxed{42}.", "template": ...,
+"steps": n}`, the solution a worked answer for `data.fewshot_key`; no question in both; 256
+test rows by default), which `configs/smol_math.yaml` reads with `data.path=... eval.path=...`
+(its `messages_key` and `answer_key` are these). Same files for the same arguments; existing
+files are kept.
 """
 
 from __future__ import annotations
@@ -31,8 +33,16 @@ INSTRUCTION = "Please reason step by step, and put your final answer within \\bo
 NAMES = ["Aiko", "Bruno", "Carla", "Dev", "Esme", "Femi", "Greta", "Hugo", "Isla", "Jonas",
          "Kira", "Luca", "Mira", "Nils", "Olga", "Pablo"]  # fmt: skip
 
-Problem = tuple[str, int, int]
-"""(question, answer, steps)"""
+Problem = tuple[str, int, int, str]
+"""(question, answer, steps, solution): the solution a worked answer, as GSM8K's and MATH's
+rows have one, ending in the boxed answer (`data.fewshot_key=solution` puts it in
+demonstrations)."""
+
+
+def _solved(work: str, answer: int) -> str:
+    return f"{work} The answer is \\boxed{{{answer}}}."
+
+
 Template = Callable[[random.Random, str], Problem]
 
 
@@ -44,6 +54,10 @@ def _bakery(rng: random.Random, name: str) -> Problem:
         f"evening it has sold {c} loaves. How many loaves are left?",
         a + b - c,
         2,
+        _solved(
+            f"{a} + {b} = {a + b} loaves were baked, and {a + b} - {c} = {a + b - c} are left.",
+            a + b - c,
+        ),
     )
 
 
@@ -55,6 +69,11 @@ def _train(rng: random.Random, name: str) -> Problem:
         "many passengers are sitting on the train?",
         cars * seats - empty,
         2,
+        _solved(
+            f"{cars} * {seats} = {cars * seats} seats, "
+            f"and {cars * seats} - {empty} = {cars * seats - empty} are taken.",
+            cars * seats - empty,
+        ),
     )
 
 
@@ -66,6 +85,11 @@ def _savings(rng: random.Random, name: str) -> Problem:
         f"dollars on a gift. How many dollars does {name} have left?",
         weekly * weeks - spent,
         2,
+        _solved(
+            f"{weekly} * {weeks} = {weekly * weeks} dollars saved, "
+            f"and {weekly * weeks} - {spent} = {weekly * weeks - spent} are left.",
+            weekly * weeks - spent,
+        ),
     )
 
 
@@ -76,6 +100,11 @@ def _garden(rng: random.Random, name: str) -> Problem:
         f"{more} more tulips. How many tulips are in the garden now?",
         rows * per + more,
         2,
+        _solved(
+            f"{rows} * {per} = {rows * per} tulips, "
+            f"and {rows * per} + {more} = {rows * per + more}.",
+            rows * per + more,
+        ),
     )
 
 
@@ -86,6 +115,7 @@ def _pages(rng: random.Random, name: str) -> Problem:
         "read in all?",
         a + b,
         1,
+        _solved(f"{a} + {b} = {a + b}.", a + b),
     )
 
 
@@ -100,6 +130,11 @@ def _buses(rng: random.Random, name: str) -> Problem:
         "need?",
         buses,
         2,
+        _solved(
+            f"{classes} * {students} = {classes * students} students, "
+            f"and {classes * students} / {seats} = {buses} buses.",
+            buses,
+        ),
     )
 
 
@@ -111,6 +146,11 @@ def _flour(rng: random.Random, name: str) -> Problem:
         f"bakes {cakes} cakes. How many grams of flour are left?",
         left,
         2,
+        _solved(
+            f"{cakes} * {per} = {per * cakes} grams are used, "
+            f"and {per * cakes + left} - {per * cakes} = {left} are left.",
+            left,
+        ),
     )
 
 
@@ -122,6 +162,11 @@ def _parking(rng: random.Random, name: str) -> Problem:
         "parked there. How many spaces are free?",
         levels * spaces - cars,
         2,
+        _solved(
+            f"{levels} * {spaces} = {levels * spaces} spaces, "
+            f"and {levels * spaces} - {cars} = {levels * spaces - cars} are free.",
+            levels * spaces - cars,
+        ),
     )
 
 
@@ -133,6 +178,11 @@ def _oranges(rng: random.Random, name: str) -> Problem:
         f"the neighbours. How many oranges does {name} keep?",
         daily * days - given,
         2,
+        _solved(
+            f"{daily} * {days} = {daily * days} oranges picked, "
+            f"and {daily * days} - {given} = {daily * days - given} are kept.",
+            daily * days - given,
+        ),
     )
 
 
@@ -145,6 +195,12 @@ def _tickets(rng: random.Random, name: str) -> Problem:
         "dollars do they pay?",
         adult * adults + child * children,
         3,
+        _solved(
+            f"{adults} * {adult} = {adult * adults} and {children} * {child} = {child * children}, "
+            f"so {adult * adults} + {child * children} = "
+            f"{adult * adults + child * children} dollars.",
+            adult * adults + child * children,
+        ),
     )
 
 
@@ -154,6 +210,7 @@ def _crayons(rng: random.Random, name: str) -> Problem:
         f"A box holds {per} crayons. {name} buys {boxes} boxes. How many crayons does {name} buy?",
         per * boxes,
         1,
+        _solved(f"{boxes} * {per} = {per * boxes}.", per * boxes),
     )
 
 
@@ -166,6 +223,11 @@ def _tank(rng: random.Random, name: str) -> Problem:
         f"{bucket} liters. How many buckets does {name} pour to fill {tanks} tanks?",
         liters * tanks // bucket,
         2,
+        _solved(
+            f"{tanks} * {liters} = {liters * tanks} liters, "
+            f"and {liters * tanks} / {bucket} = {liters * tanks // bucket} buckets.",
+            liters * tanks // bucket,
+        ),
     )
 
 
@@ -212,10 +274,11 @@ def problems(family: str, count: int, seed: int = 0) -> Iterator[tuple[str, Prob
 
 def chat_row(template: str, problem: Problem) -> dict[str, Any]:
     """One row: the question and the instruction as the only user turn (zero-shot)."""
-    question, answer, steps = problem
+    question, answer, steps, solution = problem
     return {
         "messages": [{"role": "user", "content": f"{question}\n{INSTRUCTION}"}],
         "answer": str(answer),
+        "solution": solution,
         "template": template,
         "steps": steps,
     }
