@@ -82,19 +82,23 @@ def curve(run: Path) -> list[tuple[int, float, float]]:
     return [(step, *points[step]) for step in sorted(points)]
 
 
-def plot(pairs: list[tuple[str, Path]], out: Path) -> None:
+def plot(pairs: list[tuple[str, Path]], out: Path, title: str = "configs/smol_math.yaml") -> None:
+    """Each run's held-out curve, labelled `seed S`, or by its directory's name where runs
+    share a seed (recipes compared on one seed)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(6, 3.6))
+    by_name = len({seed for seed, _ in pairs}) < len(pairs)
     for seed, run in pairs:
         steps, acc, se = zip(*curve(run), strict=True)
-        ax.errorbar(steps, acc, yerr=se, marker="o", capsize=3, label=f"seed {seed}")
+        label = f"{run.name} (seed {seed})" if by_name else f"seed {seed}"
+        ax.errorbar(steps, acc, yerr=se, marker="o", capsize=3, label=label)
     ax.set_xlabel("steps trained")
     ax.set_ylabel("held-out greedy accuracy (256)")
-    ax.set_title("SmolLM2-135M-Instruct, configs/smol_math.yaml")
+    ax.set_title(f"SmolLM2-135M-Instruct, {title}")
     ax.grid(alpha=0.3)
     ax.legend()
     fig.tight_layout()
@@ -139,6 +143,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--from", dest="runs", nargs="+", type=Path, default=[])
     parser.add_argument("--dir", type=Path, default=None, help="runs go here (default: temp)")
     parser.add_argument("--plot", type=Path, default=None, help="write the curves to this PNG")
+    parser.add_argument("--title", default="configs/smol_math.yaml", help="plot title")
     args = parser.parse_args(argv)
     pairs: list[tuple[str, SeedResult]] = []
     if args.runs:
@@ -146,7 +151,7 @@ def main(argv: list[str] | None = None) -> None:
             config: dict[str, Any] = read_jsonl(run / "events.jsonl")[0].get("config", {})
             pairs.append((str(config.get("run", {}).get("seed", "?")), read_run(run)))
         if args.plot:
-            plot([(seed, r.run) for seed, r in pairs], args.plot)
+            plot([(seed, r.run) for seed, r in pairs], args.plot, args.title)
     else:
         subprocess.run([sys.executable, "-m", "asyncrl.examples.smol_math", "data/smol_math"],
                        cwd=ROOT, check=True, capture_output=True)  # fmt: skip
