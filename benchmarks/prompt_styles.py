@@ -67,7 +67,6 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--samples", type=int, default=4)
     args = parser.parse_args(argv)
     bound_onednn_cache()
-    torch.set_num_threads(max(1, torch.get_num_threads()))
     results = []
     for style in args.style:
         name, _, extra = style.partition("=")
